@@ -55,6 +55,8 @@ class Config:
     """'auto' (cuda when available), 'cpu' or 'cuda'."""
     sync_stats: bool = False
     """Copy StepStats tensors to host floats every step (a device sync); off by default."""
+    track_grad_norm: bool = False
+    """Report the global gradient norm in StepStats even without clipping (one extra pass)."""
 
     def __post_init__(self):
         check_choice("precision", self.precision, PRECISIONS)

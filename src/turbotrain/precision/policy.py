@@ -1,0 +1,208 @@
+"""Precision modes: what the model computes in, what the optimizer updates, and how loss is scaled.
+
+fp32           everything FP32.
+bf16/fp16-mixed  torch.autocast picks per-op dtypes; weights stay FP32 (cast again every forward).
+bf16/fp16-master the model itself is held in bf16/fp16 (no per-op casts in forward or backward);
+               the optimizer updates FP32 master copies, which are copied back after each step, so
+               small updates are not rounded away (pure bf16 training drifts without them).
+In every low-precision mode KeepFp32Mode keeps softmax, norms, losses and reductions in FP32 and
+the norm layers' own weights stay FP32.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import torch
+from torch import nn
+
+from ..errors import ConfigError, HardwareError
+from .config import LossScaleConfig
+from .keep_fp32 import KEEP_FP32_MODULES, KeepFp32Mode
+from .scaler import DynamicLossScaler
+
+__all__ = ["Precision", "resolve_precision", "find_head"]
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+_HEAD_NAMES = ("lm_head", "head", "classifier", "fc_out", "output")
+
+
+def resolve_precision(precision: str, device: torch.device) -> tuple[str, str]:
+    """Turn 'auto' into a concrete mode for ``device``; return (mode, reason)."""
+    if precision != "auto":
+        return precision, "set explicitly"
+    from .. import hardware
+
+    return hardware.recommend_precision(hardware.detect(device))
+
+
+def find_head(model: nn.Module) -> tuple[str, nn.Linear] | None:
+    """The classifier head: a Linear with a conventional head name, else the last Linear."""
+    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    for name, module in reversed(linears):
+        if name.rsplit(".", 1)[-1] in _HEAD_NAMES:
+            return name, module
+    return linears[-1] if linears else None
+
+
+def _cast_inputs(dtype: torch.dtype):
+    def cast(value):
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != dtype:
+            return value.to(dtype)
+        if isinstance(value, (list, tuple)):
+            return type(value)(cast(v) for v in value)
+        if isinstance(value, dict):
+            return {k: cast(v) for k, v in value.items()}
+        return value
+
+    def hook(module, args, kwargs):
+        return cast(args), cast(kwargs)
+
+    return hook
+
+
+class Precision:
+    """The precision side of an Engine: prepare the model and optimizer, then scale, unscale, copy back."""
+
+    def __init__(self, mode: str, device: torch.device, loss_scale: LossScaleConfig | None = None,
+                 keep_fp32_head: bool = False):
+        self.requested = mode
+        self.mode, self.reason = resolve_precision(mode, device)
+        if mode == "auto":
+            print(f"turbotrain: precision='auto' chose {self.mode!r} ({self.reason})")
+        self.device = device
+        prefix = self.mode.split("-")[0]
+        self.dtype = _DTYPES.get(prefix)  # None for fp32
+        self.master = self.mode.endswith("-master")
+        self.autocast_enabled = self.mode.endswith("-mixed")
+        self.keep_fp32_head = keep_fp32_head
+        self.scaler = DynamicLossScaler(loss_scale) if self.dtype is torch.float16 else None
+        self._pairs: list[tuple[nn.Parameter, nn.Parameter]] = []  # (model param, FP32 master)
+        self._optimizer: torch.optim.Optimizer | None = None
+        if self.dtype is torch.float16 and device.type == "cpu":
+            warnings.warn(
+                "fp16 on CPU runs, but this CPU's fp16 matmuls are far slower than bf16 ones; "
+                "use precision='bf16-master' for speed (fp16 on CPU is for checking fp16 numerics).",
+                stacklevel=3,
+            )
+        if self.dtype is torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+            raise HardwareError(
+                f"precision={self.mode!r} needs bf16 support, which this GPU lacks; "
+                "use precision='fp16-master' (or 'auto')."
+            )
+
+    # -- set-up ------------------------------------------------------------------------------
+    def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self._optimizer = optimizer
+        if not self.master:
+            return
+        keep = self._keep_fp32_params(model)
+        master_of: dict[nn.Parameter, nn.Parameter] = {}
+        for p in model.parameters():
+            if p in keep or not p.is_floating_point():
+                continue
+            master = nn.Parameter(p.detach().clone().float(), requires_grad=p.requires_grad)
+            p.data = p.data.to(self.dtype)
+            master_of[p] = master
+            self._pairs.append((p, master))
+        for module in model.modules():
+            if isinstance(module, KEEP_FP32_MODULES):
+                continue
+            for name, buf in module.named_buffers(recurse=False):
+                if buf.is_floating_point():
+                    setattr(module, name, buf.to(self.dtype))
+        _repoint_optimizer(optimizer, master_of)
+        model.register_forward_pre_hook(_cast_inputs(self.dtype), with_kwargs=True)
+        if self.keep_fp32_head and (head := find_head(model)) is not None:
+            head[1].register_forward_pre_hook(_cast_inputs(torch.float32), with_kwargs=True)
+
+    def _keep_fp32_params(self, model: nn.Module) -> set[nn.Parameter]:
+        keep = {p for m in model.modules() if isinstance(m, KEEP_FP32_MODULES) for p in m.parameters()}
+        if self.keep_fp32_head and (head := find_head(model)) is not None:
+            keep.update(head[1].parameters())
+        return keep
+
+    # -- every step --------------------------------------------------------------------------
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        """Autocast (mixed modes) and the FP32 keep-list (all low-precision modes)."""
+        stack = contextlib.ExitStack()
+        if self.autocast_enabled:
+            stack.enter_context(torch.autocast(self.device.type, dtype=self.dtype))
+        if self.dtype is not None:
+            stack.enter_context(KeepFp32Mode())
+        return stack
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.scaler.scale_loss(loss) if self.scaler else loss
+
+    def optimizer_params(self) -> list[nn.Parameter]:
+        return [p for g in self._optimizer.param_groups for p in g["params"]]
+
+    def collect_grads(self) -> list[torch.Tensor]:
+        """Move model grads onto the FP32 masters (master modes); return the grads the optimizer sees."""
+        if self._pairs:
+            low, masters = [], []
+            for p, m in self._pairs:
+                if p.grad is None:
+                    m.grad = None
+                    continue
+                if m.grad is None:
+                    m.grad = torch.empty_like(m)
+                low.append(p.grad)
+                masters.append(m.grad)
+                p.grad = None
+            if masters:
+                torch._foreach_copy_(masters, low)
+        return [p.grad for p in self.optimizer_params() if p.grad is not None]
+
+    def unscale_and_check_(self, grads: list[torch.Tensor]) -> torch.Tensor | None:
+        """fp16: unscale in place and return the on-device inf/NaN flag; other modes: None."""
+        return self.scaler.unscale_and_check_(grads) if self.scaler else None
+
+    def after_optimizer_step(self) -> None:
+        """Copy the updated FP32 masters back into the low-precision model (one fused copy)."""
+        if self._pairs:
+            torch._foreach_copy_([p.data for p, _ in self._pairs], [m.data for _, m in self._pairs])
+
+    @contextlib.contextmanager
+    def full_precision_weights(self):
+        """Temporarily let the model's parameters be the FP32 masters (for state_dict save/load)."""
+        saved = [(p, p.data) for p, _ in self._pairs]
+        for p, m in self._pairs:
+            p.data = m.data
+        try:
+            yield
+        finally:
+            for p, data in saved:
+                p.data = data
+            self.after_optimizer_step()
+
+    @property
+    def master_params(self) -> list[nn.Parameter]:
+        return [m for _, m in self._pairs]
+
+    def state_dict(self) -> dict:
+        return {"mode": self.mode, "scaler": self.scaler.state_dict() if self.scaler else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("mode") not in (None, self.mode):
+            raise ConfigError(
+                f"checkpoint was trained with precision={state['mode']!r} but this Engine uses "
+                f"{self.mode!r}; pass config=Config(precision={state['mode']!r}) to resume it exactly"
+            )
+        if self.scaler and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+
+
+def _repoint_optimizer(optimizer: torch.optim.Optimizer, mapping: dict) -> None:
+    """Swap parameters inside ``optimizer``'s groups (only before it holds any state)."""
+    if not mapping:
+        return
+    if optimizer.state:
+        raise ConfigError(
+            "the optimizer already holds state (it has stepped); build the Engine with a fresh "
+            "optimizer, then restore a checkpoint with engine.load_state_dict()"
+        )
+    for group in optimizer.param_groups:
+        group["params"] = [mapping.get(p, p) for p in group["params"]]
