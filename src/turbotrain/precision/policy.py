@@ -34,7 +34,7 @@ def resolve_precision(precision: str, device: torch.device) -> tuple[str, str]:
         return precision, "set explicitly"
     from .. import hardware
 
-    return hardware.recommend_precision(hardware.detect(device))
+    return hardware.recommend_precision(hardware.detect(device.type))
 
 
 def find_head(model: nn.Module) -> tuple[str, nn.Linear] | None:

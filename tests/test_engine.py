@@ -1,0 +1,274 @@
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import turbotrain
+from turbotrain import CheckpointError, Config, ConfigError, Engine, HardwareError
+from turbotrain.checkpoint import load_checkpoint
+
+F = nn.functional
+
+
+def tiny_model():
+    return nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.GELU(), nn.Linear(32, 8))
+
+
+def tiny_batches(n, batch=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    teacher = torch.randn(16, 8, generator=torch.Generator().manual_seed(123))
+    out = []
+    for _ in range(n):
+        x = torch.randn(batch, 16, generator=g)
+        out.append((x, (x @ teacher).argmax(-1)))
+    return out
+
+
+def make_engine(config, model=None, lr=1e-2, scheduler_fn=None):
+    model = model or tiny_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    sched = scheduler_fn(opt) if scheduler_fn else None
+    return Engine(model, opt, F.cross_entropy, config=config, scheduler=sched)
+
+
+def test_fp32_engine_matches_a_hand_written_loop_bitwise():
+    torch.manual_seed(1)
+    model = tiny_model()
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    engine = make_engine(Config(device="cpu"), model=model)
+    for batch in tiny_batches(5):
+        engine.step(batch)
+        ref_opt.zero_grad()
+        F.cross_entropy(ref(batch[0]), batch[1]).backward()
+        ref_opt.step()
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_accumulation_equals_the_full_batch_and_steps_once_per_n():
+    torch.manual_seed(2)
+    model = tiny_model()
+    full = make_engine(Config(device="cpu"), model=copy.deepcopy(model))
+    acc = make_engine(Config(device="cpu", accumulate=4), model=copy.deepcopy(model))
+    for x, y in tiny_batches(3, batch=32):
+        full.step((x, y))
+        flags = [acc.step((x[i * 8:(i + 1) * 8], y[i * 8:(i + 1) * 8])).optimizer_stepped for i in range(4)]
+        assert flags == [False, False, False, True]
+    assert acc.steps == full.steps == 3
+    for a, b in zip(full.module.parameters(), acc.module.parameters()):
+        # fp32 summation order differs between one batch of 32 and four of 8
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_clipping_bounds_the_update_and_reports_the_norm():
+    model = tiny_model()
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    engine = Engine(model, opt, F.cross_entropy, config=Config(device="cpu", clip_grad_norm=1e-3))
+    stats = engine.step(tiny_batches(1)[0])
+    assert float(stats.grad_norm) > 1e-3  # the pre-clip norm is reported
+    moved = torch.sqrt(sum(((p - b) ** 2).sum() for p, b in zip(model.parameters(), before)))
+    assert float(moved) == pytest.approx(1e-3, rel=1e-3)  # SGD lr 1: the update is the clipped grad
+    assert all(p.grad is None for p in model.parameters())  # gradients are cleared after the step
+
+
+@pytest.mark.parametrize("precision", ["bf16-master", "fp16-master"])
+def test_master_weights_stay_fp32_and_model_is_low_precision(precision):
+    engine = make_engine(Config(device="cpu", precision=precision))
+    low = {"bf16-master": torch.bfloat16, "fp16-master": torch.float16}[precision]
+    for _ in range(3):
+        engine.step(tiny_batches(1)[0])
+    linears = [m for m in engine.module if isinstance(m, nn.Linear)]
+    assert all(m.weight.dtype == low for m in linears)
+    assert engine.module[1].weight.dtype == torch.float32  # LayerNorm stays FP32
+    opt_params = [p for g in engine.optimizer.param_groups for p in g["params"]]
+    assert all(p.dtype == torch.float32 for p in opt_params)
+    # the low-precision weights are exactly the rounded masters
+    for p, m in engine.precision._pairs:
+        assert torch.equal(p, m.to(low))
+
+
+def test_master_update_keeps_small_steps_that_pure_bf16_loses():
+    # lr * grad far below bf16's resolution around 1.0: a bf16 weight never moves, the master does.
+    model = nn.Linear(4, 1, bias=False)
+    nn.init.constant_(model.weight, 1.0)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    engine = Engine(model, opt, lambda out, t: out.float().sum(), config=Config(device="cpu", precision="bf16-master"))
+    x = torch.ones(1, 4)
+    for _ in range(50):
+        engine.step((x, x))
+    master = engine.precision.master_params[0]
+    assert torch.allclose(master, torch.full_like(master, 1 - 50 * 1e-4), atol=1e-6)
+    assert model.weight.float().sub(1.0).abs().max() > 0  # copied back once the masters moved a bf16 ulp
+
+
+def test_multiple_param_groups_keep_their_hyperparameters():
+    model = tiny_model()
+    opt = torch.optim.SGD([{"params": model[0].parameters(), "lr": 0.0},
+                           {"params": model[3].parameters(), "lr": 0.1},
+                           {"params": model[1].parameters(), "lr": 0.1}])
+    before0, before3 = model[0].weight.detach().clone(), model[3].weight.detach().clone()
+    engine = Engine(model, opt, F.cross_entropy, config=Config(device="cpu", precision="bf16-master"))
+    engine.step(tiny_batches(1)[0])
+    assert [g["lr"] for g in engine.optimizer.param_groups] == [0.0, 0.1, 0.1]
+    groups = engine.optimizer.param_groups
+    assert torch.equal(groups[0]["params"][0], before0)  # lr 0 group untouched (its FP32 master)
+    assert not torch.equal(groups[1]["params"][0], before3)
+    assert all(p.dtype == torch.float32 for g in groups for p in g["params"])
+
+
+def _poison_grad_hook(module, grad_input, grad_output):
+    return tuple(torch.full_like(g, float("inf")) if g is not None else None for g in grad_input)
+
+
+def test_fp16_overflow_skips_step_backs_off_and_does_not_advance_scheduler():
+    model = tiny_model()
+    engine = make_engine(Config(device="cpu", precision="fp16-master"), model=model,
+                         scheduler_fn=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5))
+    masters_before = [m.detach().clone() for m in engine.precision.master_params]
+    handle = model[3].register_full_backward_hook(_poison_grad_hook)
+    stats = engine.step(tiny_batches(1)[0])
+    handle.remove()
+    assert stats.skipped and "inf/NaN" in stats.skip_reason
+    assert stats.loss_scale == 2.0**15
+    assert engine.scheduler.last_epoch == 0 and engine.skipped_steps == 1
+    assert all(torch.equal(a, b) for a, b in zip(masters_before, engine.precision.master_params))
+    stats = engine.step(tiny_batches(1)[0])
+    assert not stats.skipped and engine.scheduler.last_epoch == 1
+
+
+def test_fp16_unscales_before_clipping():
+    engine = make_engine(Config(device="cpu", precision="fp16-master", clip_grad_norm=1e9, track_grad_norm=True))
+    ref = make_engine(Config(device="cpu", clip_grad_norm=1e9))
+    ref.module.load_state_dict(engine.state_dict()["model"])
+    batch = tiny_batches(1)[0]
+    n16 = float(engine.step(batch).grad_norm)
+    n32 = float(ref.step(batch).grad_norm)
+    assert abs(n16 - n32) / n32 < 0.05  # unscaled: fp16 rounding only, not a 2**16 factor
+
+
+def test_bf16_mixed_runs_softmax_and_layernorm_in_fp32():
+    seen = {}
+
+    class Probe(nn.Module):
+        def forward(self, x):
+            h = nn.functional.linear(x, torch.ones(8, x.shape[-1]))
+            seen["matmul"] = h.dtype
+            s = torch.softmax(h, dim=-1)
+            seen["softmax_out"] = s.dtype
+            return s
+
+    engine = Engine(Probe(), torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1),
+                    lambda out, t: out.float().sum(), config=Config(device="cpu", precision="bf16-mixed"))
+    from turbotrain.precision.keep_fp32 import KeepFp32Mode
+
+    # inside the keep-list softmax is upcast: check through the mode directly as well
+    with engine.autocast():
+        engine.module(torch.randn(2, 4))
+    assert seen["matmul"] == torch.bfloat16 and seen["softmax_out"] == torch.bfloat16
+    x = torch.randn(4, 16, dtype=torch.bfloat16) * 30
+    with KeepFp32Mode():
+        kept = torch.softmax(x, -1)
+    ref = torch.softmax(x.float(), -1).to(torch.bfloat16)
+    assert torch.equal(kept, ref)
+
+
+def test_auto_precision_prints_its_choice(capsys):
+    engine = make_engine(Config(device="cpu", precision="auto"))
+    out = capsys.readouterr().out
+    assert "precision='auto' chose" in out and engine.precision.mode in out
+
+
+def test_checkpoint_resume_is_bitwise_identical(tmp_path):
+    batches = tiny_batches(8)
+    torch.manual_seed(3)
+    a = make_engine(Config(device="cpu", precision="bf16-master"))
+    init = copy.deepcopy(a.state_dict()["model"])
+    for b in batches[:4]:
+        a.step(b)
+    a.save(tmp_path / "ck.pt")
+    for b in batches[4:]:
+        a.step(b)
+    model = tiny_model()
+    model.load_state_dict(init)
+    b_engine = Engine.load(tmp_path / "ck.pt", model, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                           F.cross_entropy, config=Config(device="cpu", precision="bf16-master"))
+    assert b_engine.steps == 4
+    for b in batches[4:]:
+        b_engine.step(b)
+    for x, y in zip(a.precision.master_params, b_engine.precision.master_params):
+        assert torch.equal(x, y)
+    assert not list(tmp_path.glob(".*tmp"))  # nothing half-written left behind
+
+
+def test_checkpoint_loads_into_the_stock_model(tmp_path):
+    engine = make_engine(Config(device="cpu", precision="bf16-master"))
+    engine.step(tiny_batches(1)[0])
+    engine.save(tmp_path / "ck.pt")
+    plain = tiny_model()
+    turbotrain.load_model_weights(tmp_path / "ck.pt", plain)
+    assert all(p.dtype == torch.float32 for p in plain.parameters())
+    for p, m in zip(plain.parameters(), engine.state_dict()["model"].values()):
+        assert torch.equal(p, m)
+
+
+def test_bad_checkpoint_inputs_give_clear_errors(tmp_path):
+    with pytest.raises(CheckpointError, match="no checkpoint"):
+        load_checkpoint(tmp_path / "missing.pt")
+    torch.save({"weight": torch.zeros(1)}, tmp_path / "plain.pt")
+    with pytest.raises(CheckpointError, match="not a turbotrain Engine checkpoint"):
+        load_checkpoint(tmp_path / "plain.pt")
+    (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(CheckpointError, match="not a readable"):
+        load_checkpoint(tmp_path / "junk.pt")
+    engine = make_engine(Config(device="cpu", accumulate=2))
+    engine.step(tiny_batches(1)[0])
+    with pytest.raises(ConfigError, match="middle of an accumulated step"):
+        engine.save(tmp_path / "mid.pt")
+    assert not (tmp_path / "mid.pt").exists()
+
+
+def test_resuming_with_another_precision_is_refused(tmp_path):
+    engine = make_engine(Config(device="cpu", precision="bf16-master"))
+    engine.save(tmp_path / "ck.pt")
+    model = tiny_model()
+    with pytest.raises(ConfigError, match="precision='bf16-master'"):
+        Engine.load(tmp_path / "ck.pt", model, torch.optim.AdamW(model.parameters()), F.cross_entropy,
+                    config=Config(device="cpu", precision="fp16-master"))
+
+
+def test_bad_arguments():
+    with pytest.raises(ConfigError, match="torch.nn.Module"):
+        Engine("model", None, F.cross_entropy)
+    model = tiny_model()
+    with pytest.raises(ConfigError, match="torch.optim.Optimizer"):
+        Engine(model, "adam", F.cross_entropy)
+    engine = make_engine(Config(device="cpu"))
+    with pytest.raises(ConfigError, match="inputs, targets"):
+        engine.step(torch.randn(3, 16))
+    if not torch.cuda.is_available():
+        with pytest.raises(HardwareError, match="no CUDA device"):
+            make_engine(Config(device="cuda"))
+
+
+def test_optimizer_that_already_stepped_is_refused_for_master_modes():
+    model = tiny_model()
+    opt = torch.optim.AdamW(model.parameters())
+    F.cross_entropy(model(torch.randn(2, 16)), torch.tensor([0, 1])).backward()
+    opt.step()
+    with pytest.raises(ConfigError, match="fresh"):
+        Engine(model, opt, F.cross_entropy, config=Config(device="cpu", precision="bf16-master"))
+
+
+def test_alignment_advisor_warns_once_with_padding():
+    model = nn.Sequential(nn.Linear(16, 30), nn.GELU(), nn.Linear(30, 8))
+    engine = make_engine(Config(device="cpu", precision="bf16-master"), model=model)
+    with pytest.warns(UserWarning, match="pad it to 32"):
+        engine.step(tiny_batches(1)[0])
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        engine.step(tiny_batches(1)[0])
