@@ -110,7 +110,12 @@ class Engine:
         if config.data_parallel is not None:
             from . import comm
 
-            model, optimizer, self.comm = comm.prepare(model, optimizer, config.data_parallel, self.device)
+            model, new_optimizer, self.comm = comm.prepare(model, optimizer, config.data_parallel, self.device)
+            if new_optimizer is not optimizer:  # 1-bit Adam replaces the optimizer (same parameters)
+                optimizer = new_optimizer
+                self.precision.bind_optimizer(optimizer)
+                if scheduler is not None:
+                    scheduler.optimizer = optimizer
         self.optimizer = optimizer
         self._forward_model = model
         if config.compile:

@@ -123,6 +123,10 @@ class Precision:
             keep.update(head[1].parameters())
         return keep
 
+    def bind_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Follow an optimizer that replaced the prepared one over the same (master) parameters."""
+        self._optimizer = optimizer
+
     # -- every step --------------------------------------------------------------------------
     def forward_context(self) -> contextlib.AbstractContextManager:
         """Autocast (mixed modes) and the FP32 keep-list (all low-precision modes)."""
