@@ -272,3 +272,12 @@ def test_alignment_advisor_warns_once_with_padding():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         engine.step(tiny_batches(1)[0])
+
+
+def test_nan_check_names_the_module_that_made_the_inf():
+    model = tiny_model()
+    with torch.no_grad():
+        model[3].weight[0, 0] = float("inf")
+    engine = make_engine(Config(device="cpu", nan_check=True), model=model)
+    with pytest.raises(turbotrain.TurbotrainError, match=r"\b3\b"):
+        engine.step(tiny_batches(1)[0])

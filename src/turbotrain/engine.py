@@ -153,10 +153,10 @@ class Engine:
             with self.autocast():
                 output = self._forward_model(inputs)
                 loss = self.loss_fn(output, targets)
-            if cfg.nan_check:
-                self._check_finite(loss, (inputs, targets))
             scaled = self.precision.scale_loss(loss / cfg.accumulate if cfg.accumulate > 1 else loss)
             scaled.backward()
+        if cfg.nan_check:
+            self._check_finite(loss, (inputs, targets))
         self._micro = 0 if closes_step else micro + 1
         stats = StepStats(loss=loss.detach(), micro_step=micro, step=self.steps, optimizer_stepped=closes_step)
         if closes_step:
@@ -205,12 +205,17 @@ class Engine:
         stats.step = self.steps
 
     def _check_finite(self, loss: torch.Tensor, batch) -> None:
+        """One fused finiteness test of the loss and gradients; on failure, name the origin module."""
         from . import diagnose
 
-        if not bool(diagnose.nonfinite_flag(loss)):
+        scaler = self.precision.scaler
+        # Scaled fp16 gradients may overflow legitimately: the loss scaler skips those steps.
+        grads = [] if scaler else [p.grad for p in self.module.parameters()]
+        if not bool(diagnose.nonfinite_flag(loss, grads)):
             return
-        report = diagnose.find_nonfinite(self.module, self.loss_fn, batch)
-        raise TurbotrainError(f"the loss became inf/NaN at step {self.steps}.\n{report}")
+        report = diagnose.find_nonfinite(self.module, self.loss_fn, batch, autocast=self.autocast,
+                                         loss_scale=scaler.scale if scaler else 1.0)
+        raise TurbotrainError(f"inf/NaN appeared at optimizer step {self.steps}.\n{report}")
 
     def _unpack(self, batch):
         if isinstance(batch, dict):

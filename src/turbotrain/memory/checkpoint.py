@@ -1,0 +1,181 @@
+"""Activation checkpointing of a model's blocks, whole or selective, without touching state_dict keys.
+
+``apply_checkpointing(model, "blocks")`` recomputes each block's forward in backward, so only block
+inputs stay alive between forward and backward. ``"selective"`` keeps the outputs of the expensive
+ops (matmuls, attention) and recomputes only the cheap elementwise and norm ops, which buys most of
+the memory back for a few percent of extra compute.
+
+The block's class is swapped for a subclass whose ``forward`` runs the original one under
+``torch.utils.checkpoint`` (non-reentrant). No wrapper module is inserted, so parameter names, and
+therefore checkpoints, are the same with and without it; deepcopy keeps the checkpointing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from ..errors import ConfigError, check_choice
+
+__all__ = [
+    "apply_checkpointing",
+    "remove_checkpointing",
+    "find_block_list",
+    "checkpointed_blocks",
+    "selective_policy",
+    "is_recomputing",
+    "CHECKPOINT_MODES",
+    "SAVED_OPS",
+]
+
+CHECKPOINT_MODES = ("blocks", "selective")
+
+#: Attribute names tried first when looking for a model's block list (nanoGPT, HF GPT-2/Llama/BERT).
+_BLOCK_LIST_NAMES = ("blocks", "layers", "h", "layer", "transformer.h", "model.layers", "encoder.layer")
+
+_aten = torch.ops.aten
+
+
+def _ops(*names: str) -> frozenset:
+    # Some attention kernels exist only in some builds; keep the ones this torch has.
+    return frozenset(getattr(_aten, n) for n in names if hasattr(_aten, n))
+
+
+#: Op families whose outputs "selective" keeps: they cost O(n^3) or O(n^2 d) to recompute, while
+#: everything else (pointwise, norms, softmax) is memory-bound and cheap to run again.
+SAVED_OPS = _ops(
+    "mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "convolution",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_fused_attention_overrideable",
+)
+
+_state = threading.local()
+
+
+def is_recomputing() -> bool:
+    """True while a checkpointed block's forward is being re-run during backward.
+
+    The profiler uses it to leave recomputation out of model FLOPs (MFU convention).
+    """
+    return getattr(_state, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def _recomputing():
+    _state.depth = getattr(_state, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _state.depth -= 1
+
+
+def selective_policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+    """Save matmul/attention outputs, recompute everything else."""
+    return CheckpointPolicy.MUST_SAVE if func.overloadpacket in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_contexts():
+    return create_selective_checkpoint_contexts(selective_policy)
+
+
+def _checkpointed_call(original_forward, mode: str, module, *args, **kwargs):
+    if not torch.is_grad_enabled():
+        # Nothing is saved for backward under no_grad, so checkpointing would only add overhead.
+        return original_forward(module, *args, **kwargs)
+    calls = 0
+
+    def run(*inner_args):
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            return original_forward(module, *inner_args, **kwargs)
+        with _recomputing():
+            return original_forward(module, *inner_args, **kwargs)
+
+    if mode == "selective":
+        return checkpoint(run, *args, use_reentrant=False, context_fn=_selective_contexts)
+    return checkpoint(run, *args, use_reentrant=False)
+
+
+@functools.lru_cache(maxsize=None)
+def _checkpointed_class(cls: type, mode: str) -> type:
+    original_forward = cls.forward
+
+    @functools.wraps(original_forward)
+    def forward(self, *args, **kwargs):
+        return _checkpointed_call(original_forward, mode, self, *args, **kwargs)
+
+    # Same name so reprs, error messages and profiler tables read as before.
+    return type(cls.__name__, (cls,), {
+        "forward": forward,
+        "_turbotrain_checkpoint": mode,
+        "_turbotrain_original_class": cls,
+        "__module__": cls.__module__,
+        "__qualname__": cls.__qualname__,
+    })
+
+
+def find_block_list(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    """The (path, ModuleList) of the model's repeated blocks.
+
+    Tries the usual attribute names first, then the first ModuleList (in module order) whose
+    entries all have parameters. Raises ConfigError when there is none.
+    """
+    for name in _BLOCK_LIST_NAMES:
+        try:
+            candidate = model.get_submodule(name)
+        except AttributeError:
+            continue
+        if isinstance(candidate, nn.ModuleList) and len(candidate) > 0:
+            return name, candidate
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 0:
+            if all(any(True for _ in block.parameters()) for block in module):
+                return name, module
+    raise ConfigError(
+        f"checkpointing found no block list in {type(model).__name__}: it looks for an nn.ModuleList "
+        f"named one of {', '.join(_BLOCK_LIST_NAMES)} or any nn.ModuleList of modules with parameters. "
+        "Fix: hold the repeated layers in an nn.ModuleList (e.g. self.blocks = nn.ModuleList([...])), "
+        "or set Config(checkpoint=None)"
+    )
+
+
+def checkpointed_blocks(model: nn.Module) -> list[tuple[str, str]]:
+    """(path, mode) of every module that apply_checkpointing changed."""
+    return [(n, m._turbotrain_checkpoint) for n, m in model.named_modules()
+            if getattr(type(m), "_turbotrain_checkpoint", None)]
+
+
+def apply_checkpointing(model: nn.Module, mode: str) -> nn.Module:
+    """Checkpoint every block of ``model`` in place and return it.
+
+    mode: 'blocks' (recompute each whole block in backward) or 'selective' (keep matmul and
+    attention outputs, recompute the rest). Applying again with another mode replaces the first.
+
+    >>> import torch
+    >>> net = torch.nn.Sequential()
+    >>> net.blocks = torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(2)])
+    >>> apply_checkpointing(net, "blocks") is net
+    True
+    """
+    check_choice("checkpoint mode", mode, CHECKPOINT_MODES)
+    _, blocks = find_block_list(model)
+    for block in blocks:
+        base = getattr(type(block), "_turbotrain_original_class", type(block))
+        block.__class__ = _checkpointed_class(base, mode)
+    return model
+
+
+def remove_checkpointing(model: nn.Module) -> nn.Module:
+    """Undo apply_checkpointing on every module of ``model`` (in place)."""
+    for module in model.modules():
+        original = getattr(type(module), "_turbotrain_original_class", None)
+        if original is not None:
+            module.__class__ = original
+    return model

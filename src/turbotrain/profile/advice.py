@@ -1,0 +1,84 @@
+"""From a ProfileReport to the turbotrain settings worth trying, each with the finding behind it.
+
+Thresholds are shares of the profiled step; each is where the named feature has, in our
+benchmarks' experience, enough time to win back to be worth its cost. None of them is applied:
+this only says what to try (transforms are opt-in).
+"""
+
+from __future__ import annotations
+
+from .core import Recommendation
+
+__all__ = ["recommend", "THRESHOLDS"]
+
+THRESHOLDS = {
+    "casts": 0.10,        # per-step weight/activation casts: bf16-master keeps weights in bf16 instead
+    "loss": 0.10,         # log_softmax + nll over a big vocabulary: the fused head never builds FP32 logits
+    "elementwise": 0.25,  # many small memory-bound kernels: fusion/compile merge them
+    "elementwise_calls": 100,
+    "comm": 0.10,         # gradient all-reduce not hidden behind backward
+    "idle": 0.30,         # Python and launch overhead between ops
+    "optimizer": 0.15,
+    "data": 0.10,
+    "mfu": 0.30,
+}
+
+
+def _fp32_matmuls(report) -> bool:
+    return bool(report.matmul_dtypes) and set(report.matmul_dtypes) <= {"float32"}
+
+
+def recommend(report, config=None) -> list[Recommendation]:
+    """Recommendations for ``report``; ``config`` (the engine's Config, if any) skips what is already on."""
+    share = report.shares
+    precision = getattr(config, "precision", "fp32")
+    fuse = tuple(getattr(config, "fuse", ()) or ())
+    compiled = bool(getattr(config, "compile", False))
+    recs: list[Recommendation] = []
+
+    if share["casts"] >= THRESHOLDS["casts"] and not precision.endswith("-master"):
+        recs.append(Recommendation(
+            f"dtype casts take {share['casts']:.0%} of the step",
+            "keep the model in bf16 with FP32 master weights, so weights are not cast every forward",
+            "Config(precision='bf16-master')"))
+    loss_ops = sum(r.share for r in report.ops if any(k in r.name for k in ("log_softmax", "nll_loss", "cross_entropy")))
+    if max(share["loss"], loss_ops) >= THRESHOLDS["loss"] and "linear_cross_entropy" not in fuse:
+        recs.append(Recommendation(
+            f"log_softmax/cross-entropy (forward and backward) take {max(share['loss'], loss_ops):.0%} of the step",
+            "fuse the classifier matmul with the loss so the logits are never materialised",
+            "Config(fuse=('linear_cross_entropy',))"))
+    calls = sum(r.calls for r in report.ops if r.category == "elementwise")
+    if share["elementwise"] >= THRESHOLDS["elementwise"] and calls >= THRESHOLDS["elementwise_calls"]:
+        if not fuse or not compiled:
+            recs.append(Recommendation(
+                f"{calls:.0f} elementwise calls per step take {share['elementwise']:.0%} of it",
+                "fuse the elementwise chains (bias+activation, norms) or compile the model",
+                "Config(fuse=True)" if not fuse else "Config(compile=True)"))
+    if share["comm"] >= THRESHOLDS["comm"]:
+        recs.append(Recommendation(
+            f"communication takes {share['comm']:.0%} of the step (not hidden behind backward)",
+            "overlap it with smaller buckets, or compress gradients",
+            "DataParallelConfig(bucket_mb=5) or DataParallelConfig(compression='powersgd')"))
+    low_mfu = report.mfu is not None and report.mfu < THRESHOLDS["mfu"]
+    if _fp32_matmuls(report) and (low_mfu or share["matmul"] >= 0.3) and precision == "fp32":
+        mfu = "n/a" if report.mfu is None else f"{report.mfu:.0%}"
+        recs.append(Recommendation(
+            f"matmuls run in FP32 (MFU {mfu}, matmul {share['matmul']:.0%} of the step)",
+            "run matmuls in bf16 (FP32 accumulation); fp16 needs loss scaling",
+            "Config(precision='bf16-mixed') or Config(precision='bf16-master')"))
+    if share["idle/overhead"] >= THRESHOLDS["idle"] and not compiled:
+        recs.append(Recommendation(
+            f"{share['idle/overhead']:.0%} of the step is outside any op (Python and launch overhead)",
+            "compile the model, or give each step more work (bigger micro-batches, fewer accumulation steps)",
+            "Config(compile=True)"))
+    if share["optimizer"] >= THRESHOLDS["optimizer"]:
+        recs.append(Recommendation(
+            f"the optimizer step takes {share['optimizer']:.0%} of the step",
+            "use a fused or foreach optimizer (torch.optim.AdamW(..., fused=True) on GPU, foreach=True on CPU)",
+            "torch.optim.AdamW(fused=True)"))
+    if share["data"] >= THRESHOLDS["data"]:
+        recs.append(Recommendation(
+            f"data loading takes {share['data']:.0%} of the step",
+            "load ahead of the step: DataLoader(num_workers>0, pin_memory=True, prefetch_factor>=2)",
+            "DataLoader(num_workers=4, pin_memory=True)"))
+    return recs

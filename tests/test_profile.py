@@ -1,0 +1,129 @@
+"""Profiler: categories add up to the step, FLOPs are exact, the trace is valid, advice follows the data."""
+
+import json
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from turbotrain.memory import apply_checkpointing
+from turbotrain.profile import CATEGORIES, category_of_name, profile
+
+# Given rather than measured, so the tests do not benchmark the machine; the values only scale MFU.
+PEAK_FLOPS, PEAK_BW = 1e11, 1e10
+
+
+class StandInEngine:
+    """What profile() needs of an Engine: .step(batch) and .model (engine.py is written elsewhere)."""
+
+    def __init__(self, model, autocast_dtype=None):
+        self.model = model
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        self.autocast_dtype = autocast_dtype
+
+    def step(self, batch):
+        x, y = batch
+        ctx = torch.autocast("cpu", dtype=self.autocast_dtype) if self.autocast_dtype else torch.autocast("cpu", enabled=False)
+        with ctx:
+            out = self.model(x)
+        loss = nn.functional.mse_loss(out.float(), y)
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+
+class Blocks(nn.Module):
+    def __init__(self, d=32, hidden=64, n=2):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(d, hidden), nn.GELU(), nn.Linear(hidden, d))
+                                    for _ in range(n))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+
+def batches(b=8, d=32):
+    g = torch.Generator().manual_seed(0)
+    while True:
+        yield torch.randn(b, d, generator=g), torch.randn(b, d, generator=g)
+
+
+def test_categories_sum_to_step_time_and_outputs_are_valid(tmp_path):
+    torch.manual_seed(0)
+    report = profile(StandInEngine(Blocks()), batches(), steps=3, warmup=1, peak_flops=PEAK_FLOPS,
+                     peak_bandwidth=PEAK_BW, out_dir=tmp_path)
+    assert list(report.categories) == list(CATEGORIES)
+    assert all(v >= 0 for v in report.categories.values())
+    total = sum(report.categories.values())
+    # idle/overhead is the remainder, so the sum can only miss when op self times overlap (double count).
+    assert abs(total - report.step_time_s) <= 0.05 * report.step_time_s, report.categories
+    assert report.categories["matmul"] > 0 and report.categories["optimizer"] > 0
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    assert trace["traceEvents"]
+    page = (tmp_path / "report.html").read_text()
+    assert "data:image/png;base64," in page and "aten::addmm" in page
+    assert json.loads((tmp_path / "profile.json").read_text())["steps"] == 3
+    assert "2 FLOPs per multiply-add" in report.mfu_conventions and 0 < report.mfu < math.inf
+
+
+def _mlp_flops(b, d, hidden, n):
+    # Per Linear (in -> out): forward 2*b*in*out, grad of weight 2*b*in*out, grad of input 2*b*in*out,
+    # except the very first Linear, whose input is the batch (no grad wanted, so no grad-input matmul).
+    per_block = 3 * (2 * b * d * hidden + 2 * b * hidden * d)
+    return n * per_block - 2 * b * d * hidden
+
+
+@pytest.mark.parametrize("mode", [None, "blocks"])
+def test_flops_are_exact_and_exclude_recompute(mode):
+    model = Blocks()
+    if mode:
+        apply_checkpointing(model, mode)
+    report = profile(StandInEngine(model), batches(), steps=1, warmup=0, peak_flops=PEAK_FLOPS,
+                     peak_bandwidth=PEAK_BW)
+    assert report.flops_per_step == _mlp_flops(8, 32, 64, 2)
+    # Each block re-runs only its first Linear: checkpoint's early stop ends the replay once the
+    # tensors backward needs exist, and the second Linear's output is not one of them.
+    forward = 2 * (2 * 8 * 32 * 64)
+    assert report.recompute_flops_per_step == (forward if mode else 0)
+    addmm = next(r for r in report.ops if r.name == "aten::addmm")
+    assert addmm.bytes > 0 and addmm.bound in ("compute", "memory")
+    assert addmm.calls == 4 if mode is None else addmm.calls > 4  # the profiler sees recompute calls too
+
+
+def test_cast_dominated_model_recommends_bf16_master():
+    # Big weights, two-row batches, autocast: every forward casts 4 x 512x512 weights to bf16
+    # while the matmuls themselves are tiny, so casts dominate.
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(4)])
+    engine = StandInEngine(model, autocast_dtype=torch.bfloat16)
+    report = profile(engine, batches(b=2, d=512), steps=2, warmup=1, peak_flops=PEAK_FLOPS, peak_bandwidth=PEAK_BW)
+    assert report.shares["casts"] > 0.10, report.categories
+    assert any(r.config == "Config(precision='bf16-master')" for r in report.recommendations), str(report)
+
+
+def test_fp32_model_is_not_told_about_casts():
+    report = profile(StandInEngine(Blocks()), batches(), steps=2, warmup=1, peak_flops=PEAK_FLOPS,
+                     peak_bandwidth=PEAK_BW)
+    assert not any("bf16-master" in r.config and "casts" in r.finding for r in report.recommendations)
+    assert report.matmul_dtypes == ("float32",)
+
+
+@pytest.mark.parametrize("name, category", [
+    ("aten::addmm", "matmul"),
+    ("autograd::engine::evaluate_function: MmBackward0", "matmul"),
+    ("aten::native_layer_norm_backward", "norm"),
+    ("aten::_log_softmax_backward_data", "loss"),
+    ("aten::_to_copy", "casts"),
+    ("Optimizer.step#AdamW.step", "optimizer"),
+    ("aten::_scaled_dot_product_flash_attention_for_cpu", "attention"),
+    ("aten::gelu_backward", "elementwise"),
+    ("aten::_foreach_mul_", "elementwise"),
+    ("gloo:all_reduce", "comm"),
+    ("aten::view", None),
+])
+def test_category_of_name(name, category):
+    assert category_of_name(name) == category
