@@ -1,0 +1,73 @@
+"""turbotrain rows: the same workload trained through ``turbotrain.Engine`` with one Config each.
+
+Engine, the precision modes and fusion are separate features; a row whose feature is missing or
+refuses the config fails in its own worker with the error message, and the ladder goes on.
+"""
+
+from __future__ import annotations
+
+from ..errors import TurbotrainError
+from .configs import make_optimizer, register_config
+
+__all__ = ["EngineTrainer", "FeatureUnavailable", "TT_CONFIGS"]
+
+
+class FeatureUnavailable(TurbotrainError):
+    """A benchmark row needs a turbotrain feature this checkout does not have yet."""
+
+
+def _compute_dtype(precision: str) -> str:
+    return {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16"}[precision.split("-")[0]]
+
+
+class EngineTrainer:
+    """A workload behind ``Engine(model, AdamW, loss_fn, config=Config(**settings))``."""
+
+    def __init__(self, workload, device: str, **settings):
+        try:
+            from .. import Config, Engine
+        except ImportError as exc:
+            raise FeatureUnavailable(f"turbotrain.Engine/Config cannot be imported ({exc}); "
+                                     "this row runs once src/turbotrain/engine.py exists") from exc
+        settings = dict(settings)
+        # the fused AdamW kernel (one pass over params, grads and moments) is part of what the
+        # low-precision rows offer; tt-fp32 keeps fp32-eager's foreach AdamW to show Engine overhead
+        optimizer_extra = {"fused": True} if settings.pop("fused_optimizer", False) else {}
+        config = Config(device=device, **settings)
+        model = workload.build_model().to(device)
+        optimizer = make_optimizer(model.parameters(), **optimizer_extra)
+        self.engine = Engine(model, optimizer, workload.loss_fn, config=config)
+        self.compute_dtype = _compute_dtype(config.precision)
+
+    @property
+    def model(self):
+        return self.engine.model
+
+    def step(self, batch):
+        return self.engine.step(batch).loss
+
+    def eval_loss(self, batches) -> float:
+        return float(self.engine.eval_loss(batches))
+
+
+#: name -> (Config fields, description, devices it is in the default ladder on)
+TT_CONFIGS = {
+    "tt-fp32": ({"precision": "fp32"}, "Engine in fp32: Engine overhead over fp32-eager", True),
+    "tt-bf16-mixed": ({"precision": "bf16-mixed", "fused_optimizer": True}, "Engine, bf16 autocast, fp32 weights", True),
+    "tt-bf16-master": ({"precision": "bf16-master", "fused_optimizer": True}, "Engine, bf16 model + fp32 master weights", True),
+    # fp16 matmul on CPUs without avx512_fp16/AMX-FP16 is emulated (~25x slower than fp32), so the
+    # row would dominate a CPU ladder's wall time; run it there with --configs tt-fp16-master.
+    "tt-fp16-master": ({"precision": "fp16-master", "fused_optimizer": True}, "Engine, fp16 model + fp32 master + loss scaling",
+                       ("cuda",)),
+    "tt-fused": ({"precision": "bf16-master", "fuse": True, "fused_optimizer": True}, "bf16-master + every fusion pattern", True),
+    "tt-fused-compile": ({"precision": "bf16-master", "fuse": True, "compile": True, "fused_optimizer": True},
+                         "bf16-master + fusion + torch.compile", True),
+}
+
+
+def _builder(settings: dict):
+    return lambda workload, device: EngineTrainer(workload, device, **settings)
+
+
+for _name, (_settings, _description, _default) in TT_CONFIGS.items():
+    register_config(_name, _description, _builder(_settings), default=_default, group="turbotrain")

@@ -1,0 +1,330 @@
+"""What this machine is, how fast it can multiply, and which precision to train in.
+
+The matmul peak measured here is the denominator of every MFU figure turbotrain prints, so it is
+measured the same way every time (square matmul, warm-up, median of repeats, 2 FLOPs per
+multiply-add) and cached per (device, dtype, torch version, CPU model, threads) so a benchmark does
+not pay for it again.
+
+>>> info = detect("cpu")
+>>> precision, reason = recommend_precision(info)
+>>> precision in ("fp32", "bf16-master", "fp16-master")
+True
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from importlib import metadata
+from pathlib import Path
+
+import torch
+
+from .errors import HardwareError, check_choice
+
+__all__ = [
+    "HardwareInfo",
+    "detect",
+    "measure_matmul_peak",
+    "measure_memory_bandwidth",
+    "recommend_precision",
+    "cache_dir",
+    "resolve_device",
+    "default_matmul_size",
+    "parse_cpuinfo",
+    "environment_report",
+    "CPU_FEATURES",
+    "add_cli",
+]
+
+#: /proc/cpuinfo flags that decide how fast low precision runs on a CPU.
+CPU_FEATURES = ("amx_bf16", "amx_tile", "avx512_bf16", "avx512_fp16", "avx512f", "avx2")
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_VERSIONED = ("torch", "rich", "tokenizers", "numpy", "matplotlib")
+
+
+@dataclass(frozen=True)
+class HardwareInfo:
+    """The machine a run happens on; ``to_dict()`` is what benchmark headers record."""
+
+    device: str
+    """'cpu' or 'cuda': where tensors live."""
+    cpu_model: str
+    """CPU model name from /proc/cpuinfo (platform.processor() elsewhere)."""
+    cpu_count: int
+    """Logical CPUs the OS reports."""
+    torch_threads: int
+    """Intra-op threads torch uses (torch.get_num_threads())."""
+    cpu_features: tuple[str, ...]
+    """Those of CPU_FEATURES the CPU flags list."""
+    cuda_name: str | None = None
+    """GPU name, when device is 'cuda'."""
+    cuda_capability: tuple[int, int] | None = None
+    """Compute capability (major, minor), when device is 'cuda'."""
+    versions: dict = field(default_factory=dict)
+    """python and library versions."""
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["cpu_features"] = list(self.cpu_features)
+        out["cuda_capability"] = list(self.cuda_capability) if self.cuda_capability else None
+        return out
+
+
+def resolve_device(device: str = "auto") -> str:
+    """'auto' -> 'cuda' when a GPU is visible else 'cpu'; 'cuda' without one raises HardwareError."""
+    check_choice("device", device, ("auto", "cpu", "cuda"))
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise HardwareError("device='cuda' was asked for but torch sees no GPU; use --device cpu or auto")
+    return device
+
+
+def parse_cpuinfo(text: str) -> tuple[str | None, frozenset[str]]:
+    """(model name, flags) of the first processor listed in /proc/cpuinfo-formatted ``text``."""
+    model, flags = None, frozenset()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "model name" and model is None:
+            model = value.strip()
+        elif key == "flags" and not flags:
+            flags = frozenset(value.split())
+    return model, flags
+
+
+@functools.lru_cache(maxsize=1)
+def _cpuinfo() -> tuple[str, frozenset[str]]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:  # not Linux: no flags, so recommend_precision falls back to fp32
+        text = ""
+    model, flags = parse_cpuinfo(text)
+    return model or platform.processor() or "unknown", flags
+
+
+def _versions() -> dict:
+    out = {"python": platform.python_version()}
+    for name in _VERSIONED:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    out["torch"] = torch.__version__  # the runtime one: a +cpu/+cu suffix matters for peaks
+    return out
+
+
+def detect(device: str = "auto") -> HardwareInfo:
+    """Describe the machine; see HardwareInfo for the fields."""
+    device = resolve_device(device)
+    model, flags = _cpuinfo()
+    cuda_name = cuda_cap = None
+    if device == "cuda":
+        cuda_name = torch.cuda.get_device_name()
+        cuda_cap = tuple(torch.cuda.get_device_capability())
+    return HardwareInfo(
+        device=device,
+        cpu_model=model,
+        cpu_count=os.cpu_count() or 1,
+        torch_threads=torch.get_num_threads(),
+        cpu_features=tuple(f for f in CPU_FEATURES if f in flags),
+        cuda_name=cuda_name,
+        cuda_capability=cuda_cap,
+        versions=_versions(),
+    )
+
+
+def recommend_precision(info: HardwareInfo) -> tuple[str, str]:
+    """The Config.precision to train in on ``info``, and the reason (naming the feature found)."""
+    if info.device == "cuda" and info.cuda_capability:
+        major, minor = info.cuda_capability
+        if major >= 8:
+            return "bf16-master", f"CUDA capability {major}.{minor} >= 8.0 has bf16 tensor cores"
+        if major == 7:
+            return "fp16-master", f"CUDA capability {major}.{minor} has fp16 tensor cores but no bf16"
+        return "fp32", f"CUDA capability {major}.{minor} has no low-precision tensor cores"
+    for feature in ("amx_bf16", "avx512_bf16"):
+        if feature in info.cpu_features:
+            return "bf16-master", f"CPU flag {feature} gives native bf16 matmul"
+    return "fp32", "no CPU flag for native bf16 matmul (amx_bf16, avx512_bf16) was found"
+
+
+# ----------------------------------------------------------------------------------------- caching
+def cache_dir() -> Path:
+    """Where measured peaks are kept: $TURBOTRAIN_CACHE, else ~/.cache/turbotrain."""
+    return Path(os.environ.get("TURBOTRAIN_CACHE") or Path.home() / ".cache" / "turbotrain")
+
+
+def _cache_key(kind: str, device: str, dtype: str, size: int) -> str:
+    model, _ = _cpuinfo()
+    gpu = torch.cuda.get_device_name() if device == "cuda" else "-"
+    # threads are part of the key: a peak measured on 16 threads is no denominator for 2.
+    return "|".join([kind, device, gpu, dtype, str(size), torch.__version__, model, str(torch.get_num_threads())])
+
+
+def _cached(key: str, measure, force: bool) -> float:
+    path = cache_dir() / "peaks.json"
+    try:
+        table = json.loads(path.read_text())
+    except (OSError, ValueError):
+        table = {}
+    if not force and key in table:
+        return float(table[key]["value"])
+    value = measure()
+    table[key] = {"value": value, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
+        os.replace(tmp, path)  # atomic, so two benchmarks measuring at once cannot corrupt it
+    except OSError as exc:  # a read-only home still gets a measured number, just not a cached one
+        print(f"turbotrain: could not cache peaks in {path} ({exc}); set TURBOTRAIN_CACHE", file=sys.stderr)
+    return value
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _median_seconds(fn, device: str, seconds: float, min_repeats: int = 5) -> float:
+    """Median wall time of ``fn()`` over repeats filling about ``seconds``, after one warm-up call."""
+    fn()
+    _sync(device)
+    times: list[float] = []
+    deadline = time.perf_counter() + seconds
+    while len(times) < min_repeats or time.perf_counter() < deadline:
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def default_matmul_size(dtype: str, device: str) -> int:
+    """Big enough to be compute-bound; fp16 on a CPU is emulated (~25x slower) so kept small."""
+    if device == "cuda":
+        return 8192
+    return 256 if dtype == "fp16" else 1024
+
+
+def measure_matmul_peak(
+    dtype: str | torch.dtype = "fp32",
+    device: str = "cpu",
+    size: int | None = None,
+    seconds: float = 0.5,
+    *,
+    force: bool = False,
+    use_cache: bool = True,
+) -> float:
+    """Achievable FLOP/s of a square ``size`` x ``size`` matmul (2 FLOPs per multiply-add).
+
+    Cached per (device, dtype, size, torch version, CPU model, threads); ``force=True`` (or
+    TURBOTRAIN_REMEASURE=1) measures again and overwrites the cache.
+    """
+    name = _dtype_name(dtype)
+    device = resolve_device(device)
+    size = size or default_matmul_size(name, device)
+    if name == "fp16" and device == "cpu":
+        seconds = min(seconds, 0.3)  # emulated fp16: a few repeats of a small matmul are plenty
+
+    def measure() -> float:
+        gen = torch.Generator(device=device).manual_seed(0)
+        a = torch.randn(size, size, device=device, generator=gen).to(_DTYPES[name])
+        b = torch.randn(size, size, device=device, generator=gen).to(_DTYPES[name])
+        return 2.0 * size**3 / _median_seconds(lambda: torch.mm(a, b), device, seconds)
+
+    force = force or os.environ.get("TURBOTRAIN_REMEASURE") == "1"
+    if not use_cache:
+        return measure()
+    return _cached(_cache_key("matmul", device, name, size), measure, force)
+
+
+def measure_memory_bandwidth(
+    device: str = "cpu", nbytes: int = 256 * 2**20, seconds: float = 0.5, *, force: bool = False
+) -> float:
+    """Copy bandwidth in bytes/s of a large buffer; counts read + write (2 x nbytes per copy)."""
+    device = resolve_device(device)
+
+    def measure() -> float:
+        src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
+        dst = torch.empty_like(src)
+        return 2.0 * nbytes / _median_seconds(lambda: dst.copy_(src), device, seconds)
+
+    force = force or os.environ.get("TURBOTRAIN_REMEASURE") == "1"
+    return _cached(_cache_key("copy", device, "u8", nbytes), measure, force)
+
+
+def _dtype_name(dtype) -> str:
+    if isinstance(dtype, torch.dtype):
+        for name, value in _DTYPES.items():
+            if value == dtype:
+                return name
+    check_choice("dtype", dtype, tuple(_DTYPES))
+    return dtype
+
+
+# --------------------------------------------------------------------------------------------- CLI
+def environment_report(device: str = "auto", *, dtypes=("fp32", "bf16", "fp16"), force: bool = False) -> dict:
+    """Everything ``turbotrain env`` prints, as one JSON-ready dict (also a benchmark header)."""
+    info = detect(device)
+    peaks = {d: measure_matmul_peak(d, info.device, force=force) for d in dtypes}
+    precision, reason = recommend_precision(info)
+    return {
+        "hardware": info.to_dict(),
+        "matmul_peak_flops": peaks,
+        "matmul_peak_method": "square torch.mm, median of repeats after warm-up, 2 FLOPs per multiply-add; "
+        + ", ".join(f"{d} n={default_matmul_size(d, info.device)}" for d in _DTYPES),
+        "memory_bandwidth_bytes_per_s": measure_memory_bandwidth(info.device, force=force),
+        "recommended_precision": precision,
+        "recommended_precision_reason": reason,
+    }
+
+
+def print_environment(report: dict, console=None) -> None:
+    """Human form of environment_report()."""
+    from rich.console import Console
+
+    console = console or Console()
+    hw = report["hardware"]
+    console.print(f"[bold]device[/] {hw['device']}   cpu {hw['cpu_model']} "
+                  f"({hw['cpu_count']} logical CPUs, torch uses {hw['torch_threads']} threads)")
+    if hw["device"] == "cuda":
+        cap = ".".join(map(str, hw["cuda_capability"]))
+        console.print(f"[bold]gpu[/] {hw['cuda_name']}   capability {cap}")
+    console.print(f"[bold]cpu features[/] {', '.join(hw['cpu_features']) or 'none of ' + ', '.join(CPU_FEATURES)}")
+    console.print("[bold]versions[/] " + ", ".join(f"{k} {v}" for k, v in hw["versions"].items()))
+    peaks = ", ".join(f"{d} {v / 1e9:.1f}" for d, v in report["matmul_peak_flops"].items())
+    console.print(f"[bold]matmul peak (GFLOP/s)[/] {peaks}   [dim]({report['matmul_peak_method']})[/]")
+    console.print(f"[bold]copy bandwidth[/] {report['memory_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s (read + write)")
+    console.print(f"[bold]recommended precision[/] {report['recommended_precision']}: "
+                  f"{report['recommended_precision_reason']}")
+
+
+def _env_main(args) -> int:
+    try:
+        report = environment_report(args.device, force=args.remeasure)
+    except HardwareError as exc:
+        print(f"turbotrain env: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print_environment(report)
+    return 0
+
+
+def add_cli(subparsers) -> None:
+    """Register ``turbotrain env``."""
+    p = subparsers.add_parser("env", help="describe the hardware, measure matmul peaks, recommend a precision")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("--remeasure", action="store_true", help="ignore cached peaks and measure again")
+    p.set_defaults(func=_env_main)

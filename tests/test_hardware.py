@@ -1,0 +1,131 @@
+import json
+
+import pytest
+import torch
+
+from turbotrain import hardware
+from turbotrain.errors import ConfigError, HardwareError
+from turbotrain.hardware import (
+    CPU_FEATURES,
+    HardwareInfo,
+    detect,
+    measure_matmul_peak,
+    measure_memory_bandwidth,
+    parse_cpuinfo,
+    recommend_precision,
+)
+
+CPUINFO = """processor\t: 0
+vendor_id\t: GenuineIntel
+model name\t: Intel(R) Xeon(R) Platinum 8480+
+flags\t\t: fpu sse avx2 avx512f avx512_bf16 amx_bf16 amx_tile
+processor\t: 1
+model name\t: some other model
+flags\t\t: fpu
+"""
+
+
+def _info(**changes) -> HardwareInfo:
+    base = dict(device="cpu", cpu_model="test", cpu_count=2, torch_threads=2, cpu_features=())
+    return HardwareInfo(**{**base, **changes})
+
+
+def test_parse_cpuinfo_reads_first_processor():
+    model, flags = parse_cpuinfo(CPUINFO)
+    assert model == "Intel(R) Xeon(R) Platinum 8480+"
+    assert {"amx_bf16", "amx_tile", "avx512_bf16", "avx2"} <= flags
+    assert parse_cpuinfo("") == (None, frozenset())
+
+
+def test_detect_cpu_describes_this_machine():
+    info = detect("cpu")
+    assert info.device == "cpu" and info.cuda_capability is None
+    assert set(info.cpu_features) <= set(CPU_FEATURES)
+    assert info.torch_threads == torch.get_num_threads()
+    assert {"python", "torch", "rich", "tokenizers"} <= set(info.versions)
+    assert json.loads(json.dumps(info.to_dict()))["device"] == "cpu"
+
+
+@pytest.mark.parametrize(
+    "changes, precision, named",
+    [
+        ({"device": "cuda", "cuda_capability": (9, 0)}, "bf16-master", "9.0"),
+        ({"device": "cuda", "cuda_capability": (8, 0)}, "bf16-master", "8.0"),
+        ({"device": "cuda", "cuda_capability": (7, 5)}, "fp16-master", "7.5"),
+        ({"device": "cuda", "cuda_capability": (6, 1)}, "fp32", "6.1"),
+        ({"cpu_features": ("amx_bf16", "amx_tile", "avx512f")}, "bf16-master", "amx_bf16"),
+        ({"cpu_features": ("avx512_bf16", "avx512f", "avx2")}, "bf16-master", "avx512_bf16"),
+        ({"cpu_features": ("avx512f", "avx2")}, "fp32", "avx512_bf16"),
+    ],
+)
+def test_recommend_precision_rule(changes, precision, named):
+    got, reason = recommend_precision(_info(**changes))
+    assert got == precision
+    assert named in reason
+
+
+def test_matmul_peak_counts_two_flops_per_multiply_add_and_caches(tmp_path, monkeypatch):
+    monkeypatch.setenv("TURBOTRAIN_CACHE", str(tmp_path))
+    monkeypatch.delenv("TURBOTRAIN_REMEASURE", raising=False)
+    timings = iter([0.5, 0.25])
+    monkeypatch.setattr(hardware, "_median_seconds", lambda fn, device, seconds: next(timings))
+    n = 64
+    assert measure_matmul_peak("fp32", "cpu", size=n) == 2 * n**3 / 0.5
+    assert measure_matmul_peak(torch.float32, "cpu", size=n) == 2 * n**3 / 0.5  # from the cache
+    assert measure_matmul_peak("fp32", "cpu", size=n, force=True) == 2 * n**3 / 0.25
+    assert (tmp_path / "peaks.json").exists()
+
+
+def test_remeasure_env_forces_measurement(tmp_path, monkeypatch):
+    monkeypatch.setenv("TURBOTRAIN_CACHE", str(tmp_path))
+    timings = iter([1.0, 2.0])
+    monkeypatch.setattr(hardware, "_median_seconds", lambda fn, device, seconds: next(timings))
+    first = measure_matmul_peak("bf16", "cpu", size=32)
+    monkeypatch.setenv("TURBOTRAIN_REMEASURE", "1")
+    assert measure_matmul_peak("bf16", "cpu", size=32) == first / 2
+
+
+def test_real_measurements_are_positive(tmp_path, monkeypatch):
+    monkeypatch.setenv("TURBOTRAIN_CACHE", str(tmp_path))
+    peak = measure_matmul_peak("fp32", "cpu", size=64, seconds=0.01, use_cache=False)
+    assert 0 < peak < float("inf")
+    bandwidth = measure_memory_bandwidth("cpu", nbytes=2**20, seconds=0.01)
+    assert 0 < bandwidth < float("inf")
+
+
+def test_bandwidth_counts_read_and_write(tmp_path, monkeypatch):
+    monkeypatch.setenv("TURBOTRAIN_CACHE", str(tmp_path))
+    monkeypatch.setattr(hardware, "_median_seconds", lambda fn, device, seconds: 0.5)
+    assert measure_memory_bandwidth("cpu", nbytes=2**20, force=True) == 2 * 2**20 / 0.5
+
+
+def test_bad_dtype_and_device_raise():
+    with pytest.raises(ConfigError, match="fp32"):
+        measure_matmul_peak("int8", "cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(HardwareError, match="--device cpu"):
+            detect("cuda")
+
+
+def test_env_cli_json(tmp_path, monkeypatch, capsys):
+    from turbotrain.cli import main
+
+    monkeypatch.setenv("TURBOTRAIN_CACHE", str(tmp_path))
+    monkeypatch.setattr(hardware, "_median_seconds", lambda fn, device, seconds: 1e-3)
+    assert main(["env", "--json", "--device", "cpu"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert set(report["matmul_peak_flops"]) == {"fp32", "bf16", "fp16"}
+    assert (report["recommended_precision"], report["recommended_precision_reason"]) == recommend_precision(detect("cpu"))
+    assert report["memory_bandwidth_bytes_per_s"] > 0
+
+
+def test_env_cli_text_names_precision_and_reason(tmp_path, monkeypatch, capsys):
+    from turbotrain.cli import main
+
+    monkeypatch.setenv("TURBOTRAIN_CACHE", str(tmp_path))
+    monkeypatch.setattr(hardware, "_median_seconds", lambda fn, device, seconds: 1e-3)
+    assert main(["env", "--device", "cpu"]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # rich wraps long lines
+    precision, reason = recommend_precision(detect("cpu"))
+    assert f"recommended precision {precision}: {reason}" in out
+    assert "matmul peak" in out and "bandwidth" in out
