@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from ..errors import TurbotrainError
+from ..errors import ConfigError, TurbotrainError
 from .runner import DEFAULT_STEPS, DEFAULT_WARMUP, QUICK_STEPS, QUICK_WARMUP, LadderSettings, run_ladder
 
 __all__ = ["add_cli", "bench_main"]
@@ -20,6 +20,7 @@ def bench_main(args) -> int:
             warmup=args.warmup if args.warmup is not None else (QUICK_WARMUP if quick else DEFAULT_WARMUP),
             device=args.device, quick=quick, seed=args.seed,
             val_batches=2 if quick else 4, timeout=args.timeout,
+            overrides=_parse_overrides(args.set),
         )
         if args.list:
             return _list_configs(settings)
@@ -31,6 +32,24 @@ def bench_main(args) -> int:
     if failed:
         print(f"turbotrain bench: {len(failed)} row(s) failed: {', '.join(failed)} (see results.json)", file=sys.stderr)
     return 1 if failed and (args.strict or len(failed) == len(results["configs"])) else 0
+
+
+def _parse_overrides(items: list[str]) -> dict:
+    """``["T=1024", "B=4"]`` -> ``{"T": 1024, "B": 4}``; the workload validates the keys."""
+    out = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--set {item!r} is not KEY=VALUE; e.g. --set T=1024")
+        for parse in (int, float):
+            try:
+                out[key] = parse(raw)
+                break
+            except ValueError:
+                continue
+        else:
+            out[key] = raw
+    return out
 
 
 def _list_configs(settings: LadderSettings) -> int:
@@ -56,6 +75,8 @@ def add_cli(subparsers) -> None:
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--out", default="bench-out", help="directory for results.json, report.html and PNGs")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="workload override, repeatable (e.g. --set T=1024 --set B=4)")
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds one row may take before it is killed")
     p.add_argument("--strict", action="store_true", help="exit 1 if any row failed (default: only if all did)")
     p.add_argument("--list", action="store_true", help="list the registered configs and exit")

@@ -9,7 +9,7 @@ from __future__ import annotations
 from ..errors import TurbotrainError
 from .configs import make_optimizer, register_config
 
-__all__ = ["EngineTrainer", "FeatureUnavailable", "TT_CONFIGS"]
+__all__ = ["EngineTrainer", "FeatureUnavailable", "TT_CONFIGS", "MEMORY_CONFIGS"]
 
 
 class FeatureUnavailable(TurbotrainError):
@@ -64,6 +64,15 @@ TT_CONFIGS = {
                          "bf16-master + fusion + torch.compile", True),
 }
 
+#: Activation checkpointing rows (issue: memory): off the default ladder, they answer a question
+#: asked at long sequence lengths (`--set T=1024`), where activations dominate peak memory.
+MEMORY_CONFIGS = {
+    "tt-ckpt-blocks": ({"precision": "bf16-master", "fused_optimizer": True, "checkpoint": "blocks"},
+                       "bf16-master + activation checkpointing of every block"),
+    "tt-ckpt-selective": ({"precision": "bf16-master", "fused_optimizer": True, "checkpoint": "selective"},
+                          "bf16-master + selective checkpointing (matmul outputs kept)"),
+}
+
 
 def _builder(settings: dict):
     return lambda workload, device: EngineTrainer(workload, device, **settings)
@@ -71,3 +80,5 @@ def _builder(settings: dict):
 
 for _name, (_settings, _description, _default) in TT_CONFIGS.items():
     register_config(_name, _description, _builder(_settings), default=_default, group="turbotrain")
+for _name, (_settings, _description) in MEMORY_CONFIGS.items():
+    register_config(_name, _description, _builder(_settings), default=False, group="memory")
