@@ -1,0 +1,76 @@
+"""Sequence bucketing bounds torch.compile's graphs; padding leaves a causal LM's loss unchanged."""
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from turbotrain.errors import ConfigError
+from turbotrain.fusion import (bucket_length, check_recompile_budget, compile_model, fuse, pad_batch,
+                               recompile_count, recompile_limit)
+from turbotrain.fusion import compile as fcompile
+from turbotrain.workloads.base import cross_entropy_loss
+
+
+class CausalLM(nn.Module):
+    """Tiny causal model: a running mean over positions only ever looks left."""
+
+    def __init__(self, vocab=50, dim=16):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, dim), nn.GELU())
+        self.lm_head = nn.Linear(dim, vocab)
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        steps = torch.arange(1, idx.shape[1] + 1, dtype=x.dtype).view(1, -1, 1)
+        return self.lm_head(self.mlp(x.cumsum(1) / steps))
+
+
+def test_bucket_length_picks_the_smallest_fitting_bucket():
+    assert bucket_length(1, (8, 16)) == 8
+    assert bucket_length(8, (16, 8)) == 8
+    assert bucket_length(9, (8, 16)) == 16
+    with pytest.raises(ConfigError, match="seq_bucket"):
+        bucket_length(17, (8, 16))
+
+
+def test_pad_batch_keeps_the_mean_loss_of_a_causal_lm():
+    torch.manual_seed(0)
+    model = CausalLM()
+    idx, targets = torch.randint(0, 50, (3, 11)), torch.randint(0, 50, (3, 11))
+    targets[1, -2:] = -100
+    padded = pad_batch((idx, targets), (8, 16))
+    assert padded[0].shape == (3, 16) and (padded[0][:, 11:] == 0).all() and (padded[1][:, 11:] == -100).all()
+    torch.testing.assert_close(cross_entropy_loss(model(padded[0]), padded[1]),
+                               cross_entropy_loss(model(idx), targets))
+    same = pad_batch((idx[:, :8], targets[:, :8]), (8, 16))
+    assert same[0].shape == (3, 8)  # already a bucket length: untouched
+    labels = torch.zeros(3, dtype=torch.long)
+    assert pad_batch((idx, labels), (16,))[1] is labels  # per-sample labels have no length
+
+
+def test_buckets_bound_the_number_of_compiles():
+    torch._dynamo.reset()
+    model = CausalLM()
+    fuse(model)  # fused modules compile too, and their own epilogues are not counted as recompiles
+    compiled = compile_model(model)
+    buckets = (8, 16)
+    before = recompile_count()
+    for length in (3, 5, 8, 9, 12, 16, 7):
+        idx = torch.randint(0, 50, (2, length))
+        idx, targets = pad_batch((idx, idx), buckets)
+        cross_entropy_loss(compiled(idx), targets).backward()
+    assert 1 <= recompile_count() - before <= len(buckets)
+
+
+def test_recompile_budget_warns_once(monkeypatch):
+    monkeypatch.setattr(fcompile, "_WARNED", [False])
+    limit = recompile_limit()
+    assert not check_recompile_budget(count=0)
+    with pytest.warns(UserWarning, match="seq_buckets"):
+        assert check_recompile_budget(count=limit)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not check_recompile_budget(count=limit + 5)
