@@ -17,6 +17,7 @@ _COMMAND_MODULES = (
     "turbotrain.profile",
     "turbotrain.diagnose",
     "turbotrain.comm",
+    "turbotrain.comm.ladder",
 )
 
 
@@ -24,9 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="turbotrain", description="Faster PyTorch training, same results.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in _COMMAND_MODULES:
-        add_cli = getattr(importlib.import_module(name), "add_cli", None)
-        if add_cli is not None:  # TODO(lead): make strict once every subpackage registers its command
-            add_cli(sub)
+        importlib.import_module(name).add_cli(sub)
     return parser
 
 

@@ -11,6 +11,10 @@ __all__ = ["add_cli", "bench_main"]
 
 
 def bench_main(args) -> int:
+    if args.nproc:  # the data-parallel ladder (turbotrain.comm.ladder) shares the bench's options
+        from ..comm.ladder import dp_bench_main
+
+        return dp_bench_main(args)
     quick = args.quick
     try:
         settings = LadderSettings(
@@ -80,4 +84,7 @@ def add_cli(subparsers) -> None:
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds one row may take before it is killed")
     p.add_argument("--strict", action="store_true", help="exit 1 if any row failed (default: only if all did)")
     p.add_argument("--list", action="store_true", help="list the registered configs and exit")
+    from ..comm.ladder import add_dp_arguments
+
+    add_dp_arguments(p, shared=False)
     p.set_defaults(func=bench_main)

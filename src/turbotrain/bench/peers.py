@@ -37,6 +37,7 @@ class PeerTrainer:
         self.compute_dtype = {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[self.amp_dtype]
         self.scaler = torch.amp.GradScaler(device, enabled=self.amp_dtype == torch.float16)
         self.forward = torch.compile(self.model) if compile else self.model
+        self.compiled = compile
 
     def autocast(self):
         if self.amp_dtype is None:

@@ -43,6 +43,8 @@ def config_metrics(header: dict, result: dict, baseline: dict | None) -> dict[st
         "achieved_flops": _metric("FLOP/s", *_inverse(flops, times, achieved_flops)),
         "peak_memory": _metric("bytes", result["peak_memory_bytes"]),
     }
+    if result.get("ops_per_step") is not None:
+        out["ops_per_step"] = _metric("aten ops", result["ops_per_step"])
     for name, dtype in (("mfu", result["compute_dtype"]), ("mfu_bf16", "bf16")):
         if dtype in peaks:
             out[name] = _metric(f"fraction of {dtype} matmul peak", *_inverse(flops, times, _mfu_at(peaks[dtype])))
@@ -139,7 +141,7 @@ def write_charts(results: dict, out_dir: Path) -> list[Path]:
 
 # -------------------------------------------------------------------------------------------- html
 TABLE_COLUMNS = ("config", "step s median (p20-p80)", "throughput", "speed-up", "peak mem", "MFU",
-                 "MFU@bf16", "train loss", "val loss", "Δval vs fp32")
+                 "MFU@bf16", "ops/step", "train loss", "val loss", "Δval vs fp32")
 
 
 def table_cells(name: str, config: dict, unit: str) -> list[str]:
@@ -160,6 +162,7 @@ def table_cells(name: str, config: dict, unit: str) -> list[str]:
         fmt("peak_memory", "{:,.0f} MiB", 2**-20),
         fmt("mfu", "{:.1f}% " + config["compute_dtype"], 100),
         fmt("mfu_bf16", "{:.1f}%", 100),
+        fmt("ops_per_step", "{:,.0f}"),
         fmt("train_loss", "{:.4f}"),
         fmt("val_loss", "{:.4f}"),
         fmt("val_loss_delta", "{:+.2f}%"),

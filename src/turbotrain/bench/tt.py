@@ -9,7 +9,7 @@ from __future__ import annotations
 from ..errors import TurbotrainError
 from .configs import make_optimizer, register_config
 
-__all__ = ["EngineTrainer", "FeatureUnavailable", "TT_CONFIGS", "MEMORY_CONFIGS"]
+__all__ = ["EngineTrainer", "FeatureUnavailable", "TT_CONFIGS", "MEMORY_CONFIGS", "ABLATION_CONFIGS"]
 
 
 class FeatureUnavailable(TurbotrainError):
@@ -38,6 +38,7 @@ class EngineTrainer:
         optimizer = make_optimizer(model.parameters(), **optimizer_extra)
         self.engine = Engine(model, optimizer, workload.loss_fn, config=config)
         self.compute_dtype = _compute_dtype(config.precision)
+        self.compiled = config.compile
 
     @property
     def model(self):
@@ -59,8 +60,15 @@ TT_CONFIGS = {
     # row would dominate a CPU ladder's wall time; run it there with --configs tt-fp16-master.
     "tt-fp16-master": ({"precision": "fp16-master", "fused_optimizer": True}, "Engine, fp16 model + fp32 master + loss scaling",
                        ("cuda",)),
-    "tt-fused": ({"precision": "bf16-master", "fuse": True, "fused_optimizer": True}, "bf16-master + every fusion pattern", True),
-    "tt-fused-compile": ({"precision": "bf16-master", "fuse": True, "compile": True, "fused_optimizer": True},
+    # The patterns that win on a bf16 CPU (fusion ablation, benchmarks/): one QKV GEMM, and the
+    # chunked linear+cross-entropy that never materialises FP32 logits. The compiled elementwise
+    # epilogues (linear_act, layernorm_gelu, swiglu) lose to PyTorch's own bf16 kernels there.
+    "tt-fused": ({"precision": "bf16-master", "fuse": ("qkv", "linear_cross_entropy"), "fused_optimizer": True},
+                 "bf16-master + fused QKV + fused linear+cross-entropy", True),
+    # Under torch.compile inductor fuses the elementwise ops itself; the QKV slice cache breaks the
+    # graph (9 graphs instead of 1), so only linear+cross-entropy is fused by hand here.
+    "tt-fused-compile": ({"precision": "bf16-master", "fuse": ("linear_cross_entropy",), "compile": True,
+                          "fused_optimizer": True},
                          "bf16-master + fusion + torch.compile", True),
 }
 
@@ -74,11 +82,22 @@ MEMORY_CONFIGS = {
 }
 
 
+#: Fusion ablation: bf16-master plus one pattern at a time, and all of them (off the default ladder).
+ABLATION_CONFIGS = {
+    f"tt-fuse-{pattern.replace('_', '-')}": ({"precision": "bf16-master", "fuse": (pattern,), "fused_optimizer": True},
+                                              f"bf16-master + the {pattern} fusion alone")
+    for pattern in ("qkv", "linear_cross_entropy", "linear_act", "layernorm_gelu")
+}
+ABLATION_CONFIGS["tt-fuse-all"] = ({"precision": "bf16-master", "fuse": True, "fused_optimizer": True},
+                                   "bf16-master + every fusion pattern")
+
+
 def _builder(settings: dict):
     return lambda workload, device: EngineTrainer(workload, device, **settings)
 
 
 for _name, (_settings, _description, _default) in TT_CONFIGS.items():
     register_config(_name, _description, _builder(_settings), default=_default, group="turbotrain")
-for _name, (_settings, _description) in MEMORY_CONFIGS.items():
-    register_config(_name, _description, _builder(_settings), default=False, group="memory")
+for _group, _configs in (("memory", MEMORY_CONFIGS), ("ablation", ABLATION_CONFIGS)):
+    for _name, (_settings, _description) in _configs.items():
+        register_config(_name, _description, _builder(_settings), default=False, group=_group)

@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import ConfigError
 
@@ -100,6 +101,25 @@ class RssSampler:
         self.peak = max(self.peak, self.rss())
 
 
+class _OpCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_step_ops(trainer, batch) -> int:
+    """ATen ops dispatched by one more training step (forward, backward, optimizer), after the
+    measurements; the fusion ablation compares it across rows. Compiled rows are not counted: their
+    ops run inside generated kernels that a dispatch mode cannot see."""
+    with _OpCounter() as counter:
+        trainer.step(batch)
+    return counter.count
+
+
 def _sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
@@ -151,6 +171,7 @@ def run_row(spec: WorkerSpec) -> dict:
         losses, times = _train(trainer, batches, spec)
     peak = torch.cuda.max_memory_allocated() - base_cuda if cuda else rss.peak - rss.baseline
     val_loss = trainer.eval_loss(val)
+    op_count = None if getattr(trainer, "compiled", False) else count_step_ops(trainer, batches[0])
     _progress(spec.warmup + spec.steps + 1, spec.warmup + spec.steps + 1)
     return {
         "status": "ok",
@@ -159,6 +180,7 @@ def run_row(spec: WorkerSpec) -> dict:
         "step_seconds": times,
         "losses": losses,
         "val_loss": val_loss,
+        "ops_per_step": op_count,
         "peak_memory_bytes": peak,
         "rss_baseline_bytes": rss.baseline,
         "rss_peak_bytes": rss.peak,

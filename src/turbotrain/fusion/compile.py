@@ -75,7 +75,7 @@ def recompile_count() -> int:
     epilogues, which compile once per dtype, are not counted)."""
     from torch._dynamo.utils import counters
 
-    return counters["frames"]["ok"] - epilogue_frames()
+    return max(0, counters["stats"]["unique_graphs"] - epilogue_frames())
 
 
 def recompile_limit() -> int:

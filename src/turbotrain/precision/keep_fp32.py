@@ -40,8 +40,10 @@ KEEP_FP32_MODULES = (
 def _upcast(value):
     if isinstance(value, torch.Tensor) and value.dtype in _LOW:
         return value.float()
-    if isinstance(value, (list, tuple)):
-        return type(value)(_upcast(v) for v in value)
+    if isinstance(value, list):
+        return [_upcast(v) for v in value]
+    if isinstance(value, tuple):  # a list comprehension, not a generator: Dynamo traces it inline
+        return tuple([_upcast(v) for v in value])
     return value
 
 

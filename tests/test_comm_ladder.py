@@ -1,0 +1,153 @@
+"""The data-parallel ladder: arithmetic and argument checks in-process, one quick two-rank ladder end to end."""
+
+from __future__ import annotations
+
+import argparse
+import doctest
+import json
+import statistics
+
+import pytest
+
+from turbotrain.comm import ladder
+from turbotrain.comm.ladder import (
+    DP_ROWS,
+    add_cli,
+    check_link,
+    comm_overhead,
+    dp_bench_main,
+    link_floor_seconds,
+    parse_rate,
+    row_metrics,
+    run_dp_ladder,
+)
+from turbotrain.errors import ConfigError, HardwareError
+
+#: The fixed key columns every benchmark row carries (the single-process bench's schema).
+KEY_COLUMNS = {"workload", "config", "metric", "unit", "median", "p20", "p80", "device", "versions", "timestamp"}
+
+
+def test_docstring_examples_run():
+    assert doctest.testmod(ladder).failed == 0
+
+
+def test_comm_overhead_is_the_share_of_the_dp_step():
+    assert comm_overhead(4.0, 3.0) == pytest.approx(0.25)
+    assert comm_overhead(1.0, 1.2) == pytest.approx(-0.2)  # noise can make local slower; shown, not hidden
+    with pytest.raises(ConfigError):
+        comm_overhead(0.0, 1.0)
+
+
+@pytest.mark.parametrize("rate, bits", [("1gbit", 1e9), ("500mbit", 5e8), ("100mbps", 8e8), ("2.5Gbit", 2.5e9)])
+def test_parse_rate_reads_tc_units(rate, bits):
+    assert parse_rate(rate) == pytest.approx(bits)
+
+
+def test_parse_rate_rejects_other_spellings():
+    with pytest.raises(ConfigError, match="1gbit"):
+        parse_rate("1 GB/s")
+
+
+def test_link_floor_counts_every_rank_through_one_link():
+    # 2 ranks, 125 MB buffer: each sends 125 MB, both through one 1 Gbit/s egress -> 2 s
+    assert link_floor_seconds(125e6, 2, "1gbit") == pytest.approx(2.0)
+    assert link_floor_seconds(125e6, 4, "1gbit") == pytest.approx(6.0)
+
+
+def test_check_link_refuses_without_root(monkeypatch):
+    monkeypatch.setattr(ladder.os, "geteuid", lambda: 1000)
+    with pytest.raises(HardwareError, match="needs root"):
+        check_link("1gbit")
+
+
+def test_check_link_refuses_without_tc(monkeypatch):
+    monkeypatch.setattr(ladder.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(ladder.shutil, "which", lambda tool: None if tool == "tc" else "/usr/sbin/" + tool)
+    with pytest.raises(HardwareError, match="iproute2"):
+        check_link("1gbit")
+
+
+def _fake_result(times, val=8.0, rounds=None, calls=None):
+    return {"status": "ok", "step_seconds": times, "items_per_step": 1000, "unit": "tokens", "val_loss": val,
+            "exchange_rounds": len(times) if rounds is None else rounds,
+            "collective_calls": 2 * len(times) if calls is None else calls}
+
+
+def test_row_metrics_combine_dp_local_and_baseline():
+    dp, local = _fake_result([1.0, 1.2, 1.1, 5.0, 1.05]), _fake_result([0.8, 0.9, 0.85, 0.7, 0.95], val=None)
+    base = _fake_result([1.0], val=7.5)
+    m = row_metrics(dp, local, base)
+    t_dp, t_local = statistics.median(dp["step_seconds"]), statistics.median(local["step_seconds"])
+    assert m["comm_overhead"]["median"] == pytest.approx((t_dp - t_local) / t_dp)
+    assert m["throughput"]["median"] == pytest.approx(1000 / t_dp)
+    assert m["val_loss_delta"]["median"] == pytest.approx(100 * (8.0 - 7.5) / 7.5)
+    assert m["exchange_rounds_per_step"]["median"] == 1
+    assert m["step_time"]["p20"] <= m["step_time"]["median"] <= m["step_time"]["p80"]
+
+
+def test_row_metrics_without_local_or_baseline_leave_those_out():
+    m = row_metrics(_fake_result([1.0, 2.0]), {"status": "error", "error": "x"}, None)
+    assert "comm_overhead" not in m and "val_loss_delta" not in m and "step_time" in m
+
+
+def test_bad_names_and_sizes_raise_before_any_job():
+    with pytest.raises(ConfigError, match="ddp\\+powersgd"):
+        run_dp_ladder(configs=["ddp+zstd"], quick=True)
+    with pytest.raises(ConfigError, match="nproc"):
+        run_dp_ladder(nproc=1, quick=True)
+    with pytest.raises(ConfigError, match="warmup"):
+        run_dp_ladder(warmup=1, quick=True)
+
+
+def test_cli_registers_dp_bench_and_reports_bad_configs(capsys):
+    parser = argparse.ArgumentParser()
+    add_cli(parser.add_subparsers())
+    args = parser.parse_args(["dp-bench", "--configs", "ddp,nope", "--quick"])
+    assert args.func is dp_bench_main
+    assert args.func(args) == 2
+    assert "nope" in capsys.readouterr().err
+
+
+def test_bench_parser_can_take_only_the_dp_options():
+    # turbotrain bench already defines --steps, --quick, ...; shared=False must not collide with them
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int)
+    parser.add_argument("--quick", action="store_true")
+    ladder.add_dp_arguments(parser, shared=False)
+    args = parser.parse_args(["--nproc", "2", "--link", "1gbit", "--steps", "3"])
+    assert (args.nproc, args.link, args.steps) == (2, "1gbit", 3)
+
+
+@pytest.mark.dist
+def test_quick_ladder_end_to_end(tmp_path):
+    doc = run_dp_ladder(configs=["ddp", "ddp+accumulate4"], steps=2, warmup=2, quick=True, out_dir=tmp_path)
+    assert json.loads((tmp_path / "dp_results.json").read_text()) == doc
+    assert doc["header"]["link"] == "loopback" and doc["header"]["precision"] == "bf16-master"
+    assert doc["rows"] and all(KEY_COLUMNS <= set(row) for row in doc["rows"])
+    for name in ("ddp", "ddp+accumulate4"):
+        row = doc["configs"][name]
+        assert row["status"] == "ok", row.get("error")
+        assert row["local"]["status"] == "ok", row["local"].get("error")
+        assert row["replicas_in_sync"] is True and row["world_size"] == 2 and row["threads"] == 1
+        assert row["local"]["exchange_rounds"] == 0  # the local job really does not communicate
+        t_dp, t_local = statistics.median(row["step_seconds"]), statistics.median(row["local"]["step_seconds"])
+        assert row["metrics"]["comm_overhead"]["median"] == pytest.approx((t_dp - t_local) / t_dp)
+    acc = doc["configs"]["ddp+accumulate4"]
+    assert acc["micro_batches_per_step"] == 4 and acc["local_job"] == "local+accumulate4"
+    assert acc["metrics"]["exchange_rounds_per_step"]["median"] == 1  # one exchange per 4 micro-batches
+    assert doc["configs"]["ddp"]["metrics"]["val_loss_delta"]["median"] == 0.0
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_quick_ladder_on_a_shaped_link(tmp_path):
+    try:
+        check_link("1gbit")
+    except HardwareError as exc:
+        pytest.skip(f"no shaped link here: {exc}")
+    doc = run_dp_ladder(configs=["ddp"], steps=2, warmup=2, quick=True, link="100mbit", out_dir=tmp_path)
+    row = doc["configs"]["ddp"]
+    assert row["status"] == "ok", row.get("error")
+    assert doc["header"]["link"] == "100mbit" and all(r["link"] == "100mbit" for r in doc["rows"])
+    # A physical bound, not a speed claim: were the job not shaped, this would fail.
+    assert min(row["step_seconds"]) >= doc["header"]["link_floor_seconds"]
