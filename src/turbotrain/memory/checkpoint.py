@@ -84,18 +84,35 @@ def _selective_contexts():
     return create_selective_checkpoint_contexts(selective_policy)
 
 
+@contextlib.contextmanager
+def _function_modes(modes):
+    """Re-enter the TorchFunctionModes the forward ran under (e.g. turbotrain's FP32 keep-list).
+
+    torch.utils.checkpoint restores autocast state for the recomputation but not Python function
+    modes, and the recompute runs inside backward, where the forward's modes are long gone; without
+    this the recomputed ops would differ in dtype from the saved ones.
+    """
+    active = set(map(id, torch.overrides._get_current_function_mode_stack()))
+    with contextlib.ExitStack() as stack:
+        for mode in modes:
+            if id(mode) not in active:
+                stack.enter_context(mode)
+        yield
+
+
 def _checkpointed_call(original_forward, mode: str, module, *args, **kwargs):
     if not torch.is_grad_enabled():
         # Nothing is saved for backward under no_grad, so checkpointing would only add overhead.
         return original_forward(module, *args, **kwargs)
     calls = 0
+    forward_modes = tuple(torch.overrides._get_current_function_mode_stack())
 
     def run(*inner_args):
         nonlocal calls
         calls += 1
         if calls == 1:
             return original_forward(module, *inner_args, **kwargs)
-        with _recomputing():
+        with _recomputing(), _function_modes(forward_modes):
             return original_forward(module, *inner_args, **kwargs)
 
     if mode == "selective":
