@@ -79,6 +79,11 @@ MEMORY_CONFIGS = {
                        "bf16-master + activation checkpointing of every block"),
     "tt-ckpt-selective": ({"precision": "bf16-master", "fused_optimizer": True, "checkpoint": "selective"},
                           "bf16-master + selective checkpointing (matmul outputs kept)"),
+    # The logits and their softmax sit outside the blocks and are the largest activation at long
+    # T; fused linear+cross-entropy removes them, which checkpointing alone cannot.
+    "tt-ckpt-blocks-fused-ce": ({"precision": "bf16-master", "fused_optimizer": True, "checkpoint": "blocks",
+                                 "fuse": ("linear_cross_entropy",)},
+                                "bf16-master + block checkpointing + fused linear+cross-entropy"),
 }
 
 
