@@ -58,11 +58,15 @@ def test_buckets_bound_the_number_of_compiles():
     compiled = compile_model(model)
     buckets = (8, 16)
     before = recompile_count()
+    per_compile = None
     for length in (3, 5, 8, 9, 12, 16, 7):
         idx = torch.randint(0, 50, (2, length))
         idx, targets = pad_batch((idx, idx), buckets)
         cross_entropy_loss(compiled(idx), targets).backward()
-    assert 1 <= recompile_count() - before <= len(buckets)
+        if per_compile is None:  # graph breaks around the fused ops: one compile may be several graphs
+            per_compile = recompile_count() - before
+    assert per_compile >= 1
+    assert recompile_count() - before <= per_compile * len(buckets)
 
 
 def test_recompile_budget_warns_once(monkeypatch):

@@ -42,7 +42,7 @@ class StepStats:
     grad_norm: torch.Tensor | float | None = None
     """Global L2 norm of the unscaled gradients (when clipping or track_grad_norm)."""
     recompiles: int = 0
-    """torch.compile recompilations so far (compile=True)."""
+    """Graphs torch.compile built after the first step (compile=True): 0 while shapes are stable."""
 
 
 def _resolve_device(name: str) -> torch.device:
@@ -127,6 +127,7 @@ class Engine:
         self.steps = 0
         self.skipped_steps = 0
         self._advised = False
+        self._graphs_at_start: int | None = None
 
     # -- the step ----------------------------------------------------------------------------
     def autocast(self) -> contextlib.AbstractContextManager:
@@ -166,7 +167,9 @@ class Engine:
         if cfg.compile:
             from .fusion.compile import check_recompile_budget, recompile_count
 
-            stats.recompiles = recompile_count()
+            if self._graphs_at_start is None:  # the first step's compile is not a recompile
+                self._graphs_at_start = recompile_count()
+            stats.recompiles = recompile_count() - self._graphs_at_start
             check_recompile_budget()
         if cfg.sync_stats:
             stats.loss = stats.loss.item()
