@@ -219,8 +219,23 @@ def sc_engine(info):
             "rounds": engine.comm.collective_count, "steps": engine.steps}
 
 
+def sc_engine_master(info):
+    from turbotrain import Config, Engine
+
+    torch.manual_seed(info.rank)  # each rank initialises differently, as an unseeded user model would
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    engine = Engine(model, opt, nn.functional.cross_entropy,
+                    config=Config(data_parallel=True, precision="bf16-master", device="cpu"))
+    g = torch.Generator().manual_seed(100 + info.rank)
+    for _ in range(3):
+        engine.step((torch.randn(8, 8, generator=g), torch.randint(0, 8, (8,), generator=g)))
+    return {"masters": [m.detach().clone() for m in engine.precision.master_params],
+            "model": [p.detach().clone() for p in engine.module.parameters()]}
+
+
 SCENARIOS = [sc_info, sc_cast, sc_accumulate, sc_powersgd, sc_onebit, sc_onebit_exchange, sc_preflight,
-             sc_found_inf, sc_sync_bn, sc_sparse, sc_engine]
+             sc_found_inf, sc_sync_bn, sc_sparse, sc_engine, sc_engine_master]
 
 
 def _worker(rank, port, out_dir):
@@ -443,3 +458,11 @@ def test_engine_data_parallel_equals_single_process_on_the_global_batch(ranks):
     for key, value in model.state_dict().items():
         for r in res:
             torch.testing.assert_close(r["final"][key], value, rtol=1e-5, atol=1e-6)
+
+
+def test_bf16_master_replicas_stay_identical_from_different_inits(ranks):
+    res = result(ranks, "sc_engine_master")
+    for a, b in zip(res[0]["masters"], res[1]["masters"]):
+        assert torch.equal(a, b)  # FP32 masters were broadcast with DDP's weights
+    for a, b in zip(res[0]["model"], res[1]["model"]):
+        assert torch.equal(a, b)

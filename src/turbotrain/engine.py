@@ -111,6 +111,9 @@ class Engine:
             from . import comm
 
             model, new_optimizer, self.comm = comm.prepare(model, optimizer, config.data_parallel, self.device)
+            # DDP broadcast rank 0's (low-precision) weights; the FP32 masters must follow, or the
+            # first copy-back would restore each rank's own initialisation and the replicas diverge.
+            self.precision.broadcast_masters()
             if new_optimizer is not optimizer:  # 1-bit Adam replaces the optimizer (same parameters)
                 optimizer = new_optimizer
                 self.precision.bind_optimizer(optimizer)

@@ -123,6 +123,16 @@ class Precision:
             keep.update(head[1].parameters())
         return keep
 
+    def broadcast_masters(self, src: int = 0) -> None:
+        """Make every data-parallel rank's FP32 masters equal to rank ``src``'s (then copy back)."""
+        if not self._pairs:
+            return
+        import torch.distributed as dist
+
+        for _, m in self._pairs:
+            dist.broadcast(m.data, src=src)
+        self.after_optimizer_step()
+
     def bind_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Follow an optimizer that replaced the prepared one over the same (master) parameters."""
         self._optimizer = optimizer
