@@ -298,3 +298,15 @@ def test_checkpointing_composes_with_low_precision(mode, precision):
         losses[ckpt] = [float(engine.step(b).loss) for b in batches]
     # recomputation replays the same bf16 ops under the same keep-list: identical losses
     assert losses[None] == losses[mode]
+
+
+def test_alignment_advisor_holds_only_the_vocabulary_to_64():
+    from turbotrain.precision import alignment_advice
+
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte, self.wpe = nn.Embedding(1000, 64), nn.Embedding(40, 64)
+
+    advice = alignment_advice(LM())
+    assert advice == ["wte.num_embeddings (vocab)=1000 is not a multiple of 64; pad it to 1024"]

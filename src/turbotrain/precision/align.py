@@ -30,9 +30,12 @@ def alignment_advice(model: nn.Module, batch_size: int | None = None) -> list[st
             seen.add((what, value))
             advice.append(f"{what}={value} is not a multiple of {multiple}; pad it to {_round_up(value, multiple)}")
 
+    embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    vocab = max(embeddings, key=lambda m: m.num_embeddings) if embeddings else None  # not positions
     for name, m in model.named_modules():
         if isinstance(m, nn.Embedding):
-            check(f"{name}.num_embeddings (vocab)", m.num_embeddings, _VOCAB_MULTIPLE)
+            if m is vocab:
+                check(f"{name}.num_embeddings (vocab)", m.num_embeddings, _VOCAB_MULTIPLE)
             check(f"{name}.embedding_dim", m.embedding_dim)
         elif isinstance(m, nn.Linear):
             check(f"{name}.in_features", m.in_features)
