@@ -198,14 +198,23 @@ def main(argv=None) -> int:
         result = run_row(spec)
         rc = 0
     except Exception as exc:  # the row fails, the ladder goes on: report the message, keep the trace
-        result = {"status": "error", "error": f"{type(exc).__name__}: {exc}".strip(),
-                  "traceback": traceback.format_exc()}
+        result = error_result(exc)
         rc = 1
-    result["spec"] = asdict(spec)
-    tmp = result_path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result))
-    os.replace(tmp, result_path)
+    write_result(result, spec, result_path)
     return rc
+
+
+def error_result(exc: BaseException) -> dict:
+    """The result document of a job that failed: its message and traceback, for the report."""
+    return {"status": "error", "error": f"{type(exc).__name__}: {exc}".strip(), "traceback": traceback.format_exc()}
+
+
+def write_result(result: dict, spec, path: Path) -> None:
+    """Write a job's result (with the spec it ran) atomically, so the parent never reads half a file."""
+    result["spec"] = asdict(spec)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result))
+    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

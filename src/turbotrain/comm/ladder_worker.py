@@ -21,13 +21,13 @@ import math
 import os
 import sys
 import time
-import traceback
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from ..bench.worker import error_result, write_result
 from ..errors import ConfigError
 
 __all__ = ["LadderSpec", "MODES", "run_rank", "main"]
@@ -182,17 +182,13 @@ def main(argv=None) -> int:
     except Exception as exc:  # rank 0 records why; torchrun then stops the other ranks
         if int(os.environ.get("RANK", "0")) != 0:
             raise
-        result = {"status": "error", "error": f"{type(exc).__name__}: {exc}".strip(),
-                  "traceback": traceback.format_exc()}
+        result = error_result(exc)
         rc = 1
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
     if result is not None:
-        result["spec"] = asdict(spec)
-        tmp = result_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(result))
-        os.replace(tmp, result_path)
+        write_result(result, spec, result_path)
     return rc
 
 
