@@ -15,6 +15,8 @@ PY
 $PY -m pip install -q triton 2>/dev/null || echo "note: triton not installable; Triton tests will report as skipped"
 echo "== CUDA-marked tests (precision, fusion kernels, NCCL) =="
 timeout 300 $PY -m pytest -q -m cuda tests || status=$?
+echo "== NCCL smoke (one rank: a 1-GPU machine cannot host two NCCL ranks on one device) =="
+timeout 90 .venv/bin/turbotrain comm-bench --nproc 1 --backend nccl --max-bytes 67108864 --out bench-out/gpu-comm.json || status=$?
 echo "== env and a quick ladder on cuda =="
 timeout 60 .venv/bin/turbotrain env
 timeout 150 .venv/bin/turbotrain bench --workload gpt --quick --device cuda --out bench-out/gpu-quick

@@ -22,7 +22,7 @@ SHAPES = [(4, 16, 32), (5, 123, 123)]  # (batch, seq, features); the second is d
 
 
 def check(test, oracle, tol):
-    test, oracle = test.double(), oracle.double()
+    test, oracle = test.double().cpu(), oracle.double().cpu()
     if "rel" in tol:
         err = (test - oracle).abs().max().item()
         assert err <= tol["rel"] * oracle.abs().max().item() + 1e-12, f"max error {err}"
@@ -37,15 +37,15 @@ def leaves(dtype, *shapes, scale=1.0):
 
 def run(fn, inputs, upstream=None):
     out = fn(*inputs)
-    upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype) \
-        if upstream is None else upstream
+    upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)) if upstream is None else upstream
+    upstream = upstream.to(out.device, out.dtype)
     return out, torch.autograd.grad(out, [t for t in inputs if t.requires_grad], upstream)
 
 
 def compare(fused, reference, inputs, tol):
-    """Fused in ``dtype`` vs the reference computed in fp32 on the same (upcast) inputs."""
+    """Fused in ``dtype`` (on the inputs' device) vs the reference in fp32 on the CPU, same inputs."""
     out, grads = run(fused, inputs)
-    oracle_inputs = [t.detach().float().requires_grad_() for t in inputs]
+    oracle_inputs = [t.detach().float().cpu().requires_grad_() for t in inputs]
     upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
     ref, ref_grads = run(reference, oracle_inputs, upstream)
     check(out, ref, tol)
