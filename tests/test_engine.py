@@ -310,3 +310,21 @@ def test_alignment_advisor_holds_only_the_vocabulary_to_64():
 
     advice = alignment_advice(LM())
     assert advice == ["wte.num_embeddings (vocab)=1000 is not a multiple of 64; pad it to 1024"]
+
+
+def test_seq_buckets_pad_without_changing_the_loss():
+    from turbotrain.workloads import get_workload
+
+    work = get_workload("gpt", d=32, n_layer=1, n_head=2, T=32, B=2)
+    inputs, targets = next(work.batches("train", seed=0))
+    short = (inputs[:, :20], targets[:, :20])
+    losses, lengths = [], []
+    for buckets in (None, (24, 32)):
+        model = work.build_model()
+        model.register_forward_pre_hook(lambda m, args: lengths.append(args[0].shape[1]))
+        engine = Engine(model, torch.optim.SGD(model.parameters(), lr=0.0), work.loss_fn,
+                        config=Config(device="cpu", seq_buckets=buckets))
+        losses.append((float(engine.step(short).loss), engine.eval_loss([short])))
+    assert lengths == [20, 20, 24, 24]  # step and eval_loss both padded up to the bucket
+    # causal model, right padding, padded targets ignored: the same mean over the real tokens
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map_only
 
 from .checkpoint import FORMAT_VERSION, atomic_save, load_checkpoint
 from .config import Config
@@ -54,13 +55,7 @@ def _resolve_device(name: str) -> torch.device:
 
 
 def _to_device(value, device):
-    if isinstance(value, torch.Tensor):
-        return value.to(device, non_blocking=True)
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_device(v, device) for v in value)
-    if isinstance(value, dict):
-        return {k: _to_device(v, device) for k, v in value.items()}
-    return value
+    return tree_map_only(torch.Tensor, lambda t: t.to(device, non_blocking=True), value)
 
 
 class Engine:
@@ -146,10 +141,6 @@ class Engine:
             if self.precision.dtype is not None:
                 batch_size = inputs.shape[0] if isinstance(inputs, torch.Tensor) and inputs.dim() else None
                 warn_misaligned(self.module, batch_size)
-        if cfg.seq_buckets:
-            from .fusion.compile import pad_batch
-
-            inputs, targets = pad_batch((inputs, targets), cfg.seq_buckets)
         micro = self._micro
         closes_step = micro + 1 == cfg.accumulate
         sync_ctx = self.comm.no_sync() if (self.comm is not None and not closes_step) else contextlib.nullcontext()
@@ -231,7 +222,12 @@ class Engine:
                 raise ConfigError("a dict batch needs the keys 'inputs' and 'targets'") from None
         if not isinstance(batch, (tuple, list)) or len(batch) != 2:
             raise ConfigError("a batch must be (inputs, targets) or {'inputs': ..., 'targets': ...}")
-        return _to_device(batch[0], self.device), _to_device(batch[1], self.device)
+        inputs, targets = _to_device(tuple(batch), self.device)
+        if self.config.seq_buckets:  # pad to a few lengths so torch.compile sees few shapes
+            from .fusion.compile import pad_batch
+
+            inputs, targets = pad_batch((inputs, targets), self.config.seq_buckets)
+        return inputs, targets
 
     # -- evaluation --------------------------------------------------------------------------
     @torch.no_grad()
@@ -243,10 +239,6 @@ class Engine:
         try:
             for batch in batches:
                 inputs, targets = self._unpack(batch)
-                if self.config.seq_buckets:
-                    from .fusion.compile import pad_batch
-
-                    inputs, targets = pad_batch((inputs, targets), self.config.seq_buckets)
                 with self.autocast():
                     total += float(self.loss_fn(self._forward_model(inputs), targets))
                 count += 1

@@ -16,6 +16,7 @@ import warnings
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map_only
 
 from ..errors import ConfigError, HardwareError
 from .config import LossScaleConfig
@@ -47,17 +48,11 @@ def find_head(model: nn.Module) -> tuple[str, nn.Linear] | None:
 
 
 def _cast_inputs(dtype: torch.dtype):
-    def cast(value):
-        if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != dtype:
-            return value.to(dtype)
-        if isinstance(value, (list, tuple)):
-            return type(value)(cast(v) for v in value)
-        if isinstance(value, dict):
-            return {k: cast(v) for k, v in value.items()}
-        return value
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t
 
     def hook(module, args, kwargs):
-        return cast(args), cast(kwargs)
+        return tree_map_only(torch.Tensor, cast, (args, kwargs))
 
     return hook
 
