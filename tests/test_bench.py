@@ -12,7 +12,7 @@ from torch import nn
 from turbotrain.bench import configs as registry
 from turbotrain.bench.flops import count_step_flops
 from turbotrain.bench.report import SCHEMA, config_metrics, train_loss_window
-from turbotrain.bench.runner import BASELINE, QUICK_OVERRIDES, _implausible_mfu, run_worker
+from turbotrain.bench.runner import BASELINE, QUICK_OVERRIDES, _fit_to_hardware, _implausible_mfu, run_worker, slow_dtypes
 from turbotrain.bench.stats import mfu, percentile, summarize
 from turbotrain.bench.worker import RssSampler, WorkerSpec, fixed_batches, load_workload
 from turbotrain.errors import ConfigError, UnknownWorkloadError
@@ -50,10 +50,12 @@ def plugin(tmp_path, monkeypatch):
 # ------------------------------------------------------------------------------------- registry
 def test_builtin_rows_are_registered_in_ladder_order():
     names = [c.name for c in registry.list_configs()]
-    expected = ["fp32-eager", "torch-amp", "torch-compile", "tt-fp32", "tt-bf16-mixed", "tt-bf16-master",
-                "tt-fp16-master", "tt-fused", "tt-fused-compile"]
+    expected = ["fp32-eager", "torch-amp", "torch-compile", "torch-compile-fp32", "tt-fp32", "tt-bf16-mixed",
+                "tt-bf16-master", "tt-fp16-master", "tt-fused", "tt-fused-compile", "tt-fused-fp32",
+                "tt-fused-compile-fp32"]
     assert names[: len(expected)] == expected
-    assert {c.name for c in registry.list_configs(group="peer")} == {"fp32-eager", "torch-amp", "torch-compile"}
+    assert {c.name for c in registry.list_configs(group="peer")} == {"fp32-eager", "torch-amp", "torch-compile",
+                                                                      "torch-compile-fp32"}
 
 
 def test_default_set_depends_on_device():
@@ -61,6 +63,46 @@ def test_default_set_depends_on_device():
     assert "tt-fp16-master" not in registry.default_configs("cpu")
     assert "tt-fp16-master" in registry.default_configs("cuda")
     assert registry.default_configs("cpu")[0] == BASELINE
+
+
+def _env(**gflops):
+    return {"matmul_peak_flops": {d: v * 1e9 for d, v in gflops.items()}}
+
+
+def test_rows_declare_their_matmul_dtype():
+    assert registry.get_config("fp32-eager").dtype_on("cpu") == "fp32"
+    assert registry.get_config("torch-amp").dtype_on("cpu") == "bf16"
+    assert registry.get_config("torch-amp").dtype_on("cuda") == "fp16"
+    assert registry.get_config("tt-bf16-master").dtype_on("cuda") == "bf16"
+    assert registry.get_config("tt-fused-compile-fp32").dtype_on("cpu") == "fp32"
+    with pytest.raises(ConfigError, match="dtype 'int8'"):
+        registry.register_config("bad-dtype", "bad", lambda w, d: None, dtype="int8")
+
+
+def test_emulated_bf16_swaps_default_rows_for_fp32_twins():
+    # a CPU without native bf16 (seen here: bf16 4 GFLOP/s, fp32 164): bf16 rows would take ~40x longer
+    env = _env(fp32=164.0, bf16=4.1)
+    assert slow_dtypes(env) == pytest.approx({"bf16": 40.0})
+    notes = []
+    names = _fit_to_hardware(registry.default_configs("cpu"), env, "cpu", default=True, notes=notes)
+    assert names == ["fp32-eager", "torch-compile-fp32", "tt-fp32", "tt-fused-fp32", "tt-fused-compile-fp32"]
+    assert all(registry.get_config(n).dtype_on("cpu") == "fp32" for n in names)
+    assert "40x slower" in notes[0] and "torch-amp" in notes[0] and "tt-fused -> tt-fused-fp32" in notes[0]
+
+
+def test_rows_named_explicitly_run_on_slow_bf16_with_a_note():
+    notes = []
+    names = _fit_to_hardware(["fp32-eager", "torch-amp"], _env(fp32=164.0, bf16=4.1), "cpu", default=False,
+                             notes=notes)
+    assert names == ["fp32-eager", "torch-amp"]
+    assert "torch-amp run as asked" in notes[0]
+
+
+def test_fast_bf16_keeps_the_default_ladder():
+    notes = []
+    default = registry.default_configs("cpu")
+    assert _fit_to_hardware(default, _env(fp32=195.0, bf16=864.0), "cpu", default=True, notes=notes) == default
+    assert notes == []
 
 
 def test_register_decorator_duplicate_and_bad_names():

@@ -328,3 +328,21 @@ def test_seq_buckets_pad_without_changing_the_loss():
     assert lengths == [20, 20, 24, 24]  # step and eval_loss both padded up to the bucket
     # causal model, right padding, padded targets ignored: the same mean over the real tokens
     assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+
+
+@pytest.mark.parametrize("features, warns", [(("avx2",), True), (("avx2", "avx512f", "avx512_bf16"), False)])
+def test_bf16_on_a_cpu_without_native_bf16_says_so(monkeypatch, features, warns):
+    import dataclasses
+    import warnings
+
+    from turbotrain import hardware
+
+    real = hardware.detect("cpu")
+    monkeypatch.setattr(hardware, "detect", lambda device="auto": dataclasses.replace(real, cpu_features=features))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_engine(Config(device="cpu", precision="bf16-master"))
+    said = [w for w in caught if "without native bf16" in str(w.message)]
+    assert bool(said) == warns
+    if warns:
+        assert "precision='fp32'" in str(said[0].message)

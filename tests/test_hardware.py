@@ -67,7 +67,7 @@ def test_recommend_precision_rule(changes, precision, named):
 def test_matmul_peak_counts_two_flops_per_multiply_add_and_caches(tmp_path, monkeypatch):
     monkeypatch.setenv("TURBOTRAIN_CACHE", str(tmp_path))
     monkeypatch.delenv("TURBOTRAIN_REMEASURE", raising=False)
-    timings = iter([0.5, 0.25])
+    timings = iter([0.5, 0.7, 0.3, 0.25])  # two layouts per measurement; the faster one counts
     monkeypatch.setattr(hardware, "_median_seconds", lambda fn, device, seconds: next(timings))
     n = 64
     assert measure_matmul_peak("fp32", "cpu", size=n) == 2 * n**3 / 0.5
@@ -78,11 +78,25 @@ def test_matmul_peak_counts_two_flops_per_multiply_add_and_caches(tmp_path, monk
 
 def test_remeasure_env_forces_measurement(tmp_path, monkeypatch):
     monkeypatch.setenv("TURBOTRAIN_CACHE", str(tmp_path))
-    timings = iter([1.0, 2.0])
+    timings = iter([1.0, 1.5, 2.0, 2.5])
     monkeypatch.setattr(hardware, "_median_seconds", lambda fn, device, seconds: next(timings))
     first = measure_matmul_peak("bf16", "cpu", size=32)
     monkeypatch.setenv("TURBOTRAIN_REMEASURE", "1")
     assert measure_matmul_peak("bf16", "cpu", size=32) == first / 2
+
+
+def test_peak_cache_is_per_cpu_feature_set(tmp_path, monkeypatch):
+    # two machines with the same model name, one with native bf16 matmul, must not share a bf16 peak
+    monkeypatch.setenv("TURBOTRAIN_CACHE", str(tmp_path))
+    monkeypatch.delenv("TURBOTRAIN_REMEASURE", raising=False)
+    monkeypatch.setattr(hardware, "_median_seconds", lambda fn, device, seconds: 1.0)
+    monkeypatch.setattr(hardware, "_cpuinfo", lambda: ("AMD EPYC", frozenset({"avx2", "avx512f", "avx512_bf16"})))
+    measure_matmul_peak("bf16", "cpu", size=16)
+    monkeypatch.setattr(hardware, "_cpuinfo", lambda: ("AMD EPYC", frozenset({"avx2"})))
+    measure_matmul_peak("bf16", "cpu", size=16)
+    keys = json.loads((tmp_path / "peaks.json").read_text())
+    assert len(keys) == 2
+    assert any("avx512_bf16" in k for k in keys) and any("|avx2|" in k for k in keys)
 
 
 def test_real_measurements_are_positive(tmp_path, monkeypatch):

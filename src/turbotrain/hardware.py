@@ -163,10 +163,13 @@ def cache_dir() -> Path:
 
 
 def _cache_key(kind: str, device: str, dtype: str, size: int) -> str:
-    model, _ = _cpuinfo()
+    model, flags = _cpuinfo()
     gpu = torch.cuda.get_device_name() if device == "cuda" else "-"
-    # threads are part of the key: a peak measured on 16 threads is no denominator for 2.
-    return "|".join([kind, device, gpu, dtype, str(size), torch.__version__, model, str(torch.get_num_threads())])
+    # threads are part of the key: a peak measured on 16 threads is no denominator for 2; so are the
+    # CPU's matmul features: two machines both named "AMD EPYC", one with avx512_bf16, differ 900x in bf16.
+    features = "+".join(f for f in CPU_FEATURES if f in flags) or "-"
+    return "|".join([kind, device, gpu, dtype, str(size), torch.__version__, model, features,
+                     str(torch.get_num_threads())])
 
 
 def _cached(key: str, measure, force: bool) -> float:
@@ -239,7 +242,11 @@ def measure_matmul_peak(
         gen = torch.Generator(device=device).manual_seed(0)
         a = torch.randn(size, size, device=device, generator=gen).to(_DTYPES[name])
         b = torch.randn(size, size, device=device, generator=gen).to(_DTYPES[name])
-        return 2.0 * size**3 / _median_seconds(lambda: torch.mm(a, b), device, seconds)
+        # both operand layouts: nn.Linear multiplies by a transposed weight, and on some CPUs the two
+        # take different kernels (bf16 without native support: 0.6 vs 4.3 GFLOP/s at n=1024 seen here)
+        best = min(_median_seconds(lambda: torch.mm(a, b), device, seconds / 2),
+                   _median_seconds(lambda: torch.mm(a, b.t()), device, seconds / 2))
+        return 2.0 * size**3 / best
 
     force = force or os.environ.get("TURBOTRAIN_REMEASURE") == "1"
     if not use_cache:
@@ -280,7 +287,7 @@ def environment_report(device: str = "auto", *, dtypes=("fp32", "bf16", "fp16"),
     return {
         "hardware": info.to_dict(),
         "matmul_peak_flops": peaks,
-        "matmul_peak_method": "square torch.mm, median of repeats after warm-up, 2 FLOPs per multiply-add; "
+        "matmul_peak_method": "square torch.mm, the faster of B and B^T layouts, median of repeats after warm-up, 2 FLOPs per multiply-add; "
         + ", ".join(f"{d} n={default_matmul_size(d, info.device)}" for d in _DTYPES),
         "memory_bandwidth_bytes_per_s": measure_memory_bandwidth(info.device, force=force),
         "recommended_precision": precision,

@@ -91,19 +91,33 @@ class BenchConfig:
     """In the default ladder: True, False, or the device types ('cpu', 'cuda') where it is."""
     group: str = "turbotrain"
     """'peer' for plain-PyTorch recipes, 'turbotrain' for Engine rows, or a feature's name."""
+    dtype: str | tuple[tuple[str, str], ...] = "fp32"
+    """The dtype its matmuls run in: one name, or ((device, dtype), ...) where it depends on the device."""
+    fp32_twin: str | None = None
+    """The row the default ladder runs instead where this row's dtype is slower than fp32 (a CPU
+    without native bf16 matmul); None when an fp32 row already covers it."""
 
     def is_default_on(self, device: str) -> bool:
         return self.default if isinstance(self.default, bool) else device in self.default
+
+    def dtype_on(self, device: str) -> str:
+        return self.dtype if isinstance(self.dtype, str) else dict(self.dtype)[device]
 
 
 _REGISTRY: dict[str, BenchConfig] = {}
 
 
 def register_config(name: str, description: str, build: Callable | None = None, *,
-                    default: bool | tuple[str, ...] = True, group: str = "turbotrain", replace: bool = False):
-    """Register a config; without ``build`` it returns a decorator. Names are unique unless ``replace``."""
+                    default: bool | tuple[str, ...] = True, group: str = "turbotrain", replace: bool = False,
+                    dtype: str | dict[str, str] = "fp32", fp32_twin: str | None = None):
+    """Register a config; without ``build`` it returns a decorator. Names are unique unless ``replace``.
+
+    ``dtype`` is the matmul dtype ('fp32', 'bf16', 'fp16', or {device: dtype}); ``fp32_twin`` names
+    the row that stands in for this one where that dtype is slower than fp32 (see BenchConfig).
+    """
     if build is None:
-        return lambda fn: register_config(name, description, fn, default=default, group=group, replace=replace)
+        return lambda fn: register_config(name, description, fn, default=default, group=group, replace=replace,
+                                          dtype=dtype, fp32_twin=fp32_twin)
     if not name or any(c in name for c in " ,"):
         raise ConfigError(f"config name {name!r} must be non-empty without spaces or commas (--configs splits on ',')")
     if name in _REGISTRY and not replace:
@@ -113,7 +127,11 @@ def register_config(name: str, description: str, build: Callable | None = None, 
         for d in default:
             if d not in ("cpu", "cuda"):
                 raise ConfigError(f"default device {d!r} of config {name!r} must be 'cpu' or 'cuda'")
-    _REGISTRY[name] = BenchConfig(name, description, build, default, group)
+    for d in ([dtype] if isinstance(dtype, str) else dtype.values()):
+        if d not in COMPUTE_DTYPES:
+            raise ConfigError(f"dtype {d!r} of config {name!r} must be one of {', '.join(COMPUTE_DTYPES)}")
+    dtype = dtype if isinstance(dtype, str) else tuple(sorted(dtype.items()))
+    _REGISTRY[name] = BenchConfig(name, description, build, default, group, dtype, fp32_twin)
     return build
 
 

@@ -69,8 +69,15 @@ class PeerTrainer:
 
 register_config("fp32-eager", "plain PyTorch loop in fp32, AdamW (foreach)", group="peer",
                 build=lambda workload, device: PeerTrainer(workload, device))
+_AMP_DTYPE = {"cpu": "bf16", "cuda": "fp16"}
 register_config("torch-amp", "torch.autocast (bf16 on CPU, fp16 + GradScaler on CUDA), AdamW", group="peer",
-                build=lambda workload, device: PeerTrainer(workload, device, amp=True))
+                dtype=_AMP_DTYPE, build=lambda workload, device: PeerTrainer(workload, device, amp=True))
 register_config("torch-compile", "torch.compile(model) + autocast + AdamW(fused=True)", group="peer",
+                dtype=_AMP_DTYPE, fp32_twin="torch-compile-fp32",
                 build=lambda workload, device: PeerTrainer(workload, device, amp=True, compile=True,
                                                            fused_adamw=True))
+# What a user compiles on hardware whose low-precision matmuls are slower than fp32 (a CPU without
+# avx512_bf16/amx_bf16): the yardstick of the fp32 turbotrain rows there.
+register_config("torch-compile-fp32", "torch.compile(model) in fp32 + AdamW(fused=True)", group="peer",
+                default=False,
+                build=lambda workload, device: PeerTrainer(workload, device, compile=True, fused_adamw=True))

@@ -17,12 +17,12 @@ import torch
 
 from ..errors import check_positive
 from ..hardware import environment_report, measure_matmul_peak, print_environment, resolve_device
-from .configs import BASELINE, OPTIMIZER_SETTINGS, default_configs, list_configs, resolve_names
+from .configs import BASELINE, OPTIMIZER_SETTINGS, default_configs, get_config, list_configs, resolve_names
 from .flops import FLOP_CONVENTIONS, count_step_flops
 from .report import train_loss_window
 from .worker import CPU_MEMORY_METHOD, CUDA_MEMORY_METHOD, WorkerSpec, fixed_batches, load_workload
 
-__all__ = ["LadderSettings", "run_ladder", "run_worker", "BASELINE", "QUICK_OVERRIDES", "QUICK_CONFIGS",
+__all__ = ["LadderSettings", "run_ladder", "run_worker", "slow_dtypes", "BASELINE", "QUICK_OVERRIDES", "QUICK_CONFIGS",
            "DEFAULT_STEPS", "DEFAULT_WARMUP", "QUICK_STEPS", "QUICK_WARMUP"]
 
 MFU_CONVENTIONS = ("achieved FLOP/s (flops_per_step / step time) divided by the measured matmul peak of the "
@@ -122,9 +122,6 @@ def _plan(settings: LadderSettings) -> tuple[str, list[str], dict, list[str]]:
         names = [n for n in QUICK_CONFIGS if n in default_configs(device)]
     else:
         names = default_configs(device)
-        left_out = [c.name for c in list_configs() if not c.is_default_on(device)]
-        if left_out:
-            notes.append(f"not in the default ladder on {device}: {', '.join(left_out)} (name them in --configs)")
     overrides = dict(settings.overrides)
     if settings.quick:
         overrides = {**QUICK_OVERRIDES.get(settings.workload, {}), **overrides}
@@ -132,6 +129,42 @@ def _plan(settings: LadderSettings) -> tuple[str, list[str], dict, list[str]]:
         notes.append(f"quick mode: {settings.steps} steps, {settings.warmup} warm-up, {size}; "
                      "a smoke test, not a benchmark")
     return device, names, overrides, notes
+
+
+def slow_dtypes(env: dict) -> dict[str, float]:
+    """Low-precision dtypes whose measured matmul peak is below fp32's, as {dtype: times slower}."""
+    peaks = env["matmul_peak_flops"]
+    fp32 = peaks.get("fp32")
+    return {d: fp32 / v for d, v in peaks.items() if d != "fp32" and fp32 and 0 < v < fp32}
+
+
+def _fit_to_hardware(names: list[str], env: dict, device: str, *, default: bool, notes: list[str]) -> list[str]:
+    """Where bf16/fp16 matmuls are slower than fp32 (emulated), the default ladder drops the rows that
+    compute in them (each would take tens of times longer and measure the emulation) and runs their
+    fp32 twins; rows named in --configs run as asked. Either way the header says so."""
+    slow = slow_dtypes(env)
+    hit = [n for n in names if get_config(n).dtype_on(device) in slow]
+    if not hit:
+        return names
+    peaks = env["matmul_peak_flops"]
+    why = "; ".join(f"{d} matmul measures {peaks[d] / 1e9:.1f} GFLOP/s here against fp32's "
+                    f"{peaks['fp32'] / 1e9:.1f} ({x:.0f}x slower: no native {d} matmul)"
+                    for d, x in slow.items() if any(get_config(n).dtype_on(device) == d for n in hit))
+    if not default:
+        notes.append(f"{why}; {', '.join(hit)} run as asked, and measure that emulation")
+        return names
+    out: list[str] = []
+    for n in names:
+        config = get_config(n)
+        if n not in hit:
+            out.append(n)
+        elif config.fp32_twin and config.fp32_twin not in out:
+            out.append(config.fp32_twin)
+    twins = [f"{n} -> {get_config(n).fp32_twin}" for n in hit if get_config(n).fp32_twin]
+    notes.append(f"{why}; left out of the default ladder: {', '.join(hit)}"
+                 + (f"; fp32 rows in their place: {', '.join(twins)}" if twins else "")
+                 + " (name rows in --configs to run them anyway; precision='auto' picks fp32 here)")
+    return out
 
 
 def run_ladder(settings: LadderSettings, out_dir: str | Path, console=None) -> dict:
@@ -147,6 +180,10 @@ def run_ladder(settings: LadderSettings, out_dir: str | Path, console=None) -> d
     workload = load_workload(settings.workload, overrides)  # builds/caches the data once, before the workers
     env = _environment(device)
     print_environment(env, console)
+    default = not settings.configs and not settings.quick
+    names = _fit_to_hardware(names, env, device, default=default, notes=notes)
+    if default and (left_out := [c.name for c in list_configs() if c.name not in names]):
+        notes.append(f"not in the default ladder on {device}: {', '.join(left_out)} (name them in --configs)")
     flops = count_step_flops(workload.build_model, workload.loss_fn,
                              fixed_batches(workload, "train", 1, settings.seed, device)[0])
     header = {

@@ -9,7 +9,7 @@ from __future__ import annotations
 from ..errors import TurbotrainError
 from .configs import make_optimizer, register_config
 
-__all__ = ["EngineTrainer", "FeatureUnavailable", "TT_CONFIGS", "MEMORY_CONFIGS", "ABLATION_CONFIGS"]
+__all__ = ["EngineTrainer", "FeatureUnavailable", "TT_CONFIGS", "MEMORY_CONFIGS", "ABLATION_CONFIGS", "FP32_TWINS"]
 
 
 class FeatureUnavailable(TurbotrainError):
@@ -70,7 +70,16 @@ TT_CONFIGS = {
     "tt-fused-compile": ({"precision": "bf16-master", "fuse": ("linear_cross_entropy",), "compile": True,
                           "fused_optimizer": True},
                          "bf16-master + fusion + torch.compile", True),
+    # fp32 twins of the fused rows: where bf16 matmul is slower than fp32 (a CPU without
+    # avx512_bf16/amx_bf16; precision='auto' picks fp32 there) the default ladder runs these instead.
+    "tt-fused-fp32": ({"precision": "fp32", "fuse": ("linear_cross_entropy",), "fused_optimizer": True},
+                      "fp32 + fused linear+cross-entropy + fused AdamW", False),
+    "tt-fused-compile-fp32": ({"precision": "fp32", "fuse": ("linear_cross_entropy",), "compile": True,
+                               "fused_optimizer": True},
+                              "fp32 + fused linear+cross-entropy + torch.compile + fused AdamW", False),
 }
+#: The row standing in for each low-precision row where its dtype is slower than fp32 (BenchConfig.fp32_twin).
+FP32_TWINS = {"tt-fused": "tt-fused-fp32", "tt-fused-compile": "tt-fused-compile-fp32"}
 
 #: Activation checkpointing rows (issue: memory): off the default ladder, they answer a question
 #: asked at long sequence lengths (`--set T=1024`), where activations dominate peak memory.
@@ -102,7 +111,9 @@ def _builder(settings: dict):
 
 
 for _name, (_settings, _description, _default) in TT_CONFIGS.items():
-    register_config(_name, _description, _builder(_settings), default=_default, group="turbotrain")
+    register_config(_name, _description, _builder(_settings), default=_default, group="turbotrain",
+                    dtype=_compute_dtype(_settings["precision"]), fp32_twin=FP32_TWINS.get(_name))
 for _group, _configs in (("memory", MEMORY_CONFIGS), ("ablation", ABLATION_CONFIGS)):
     for _name, (_settings, _description) in _configs.items():
-        register_config(_name, _description, _builder(_settings), default=False, group=_group)
+        register_config(_name, _description, _builder(_settings), default=False, group=_group,
+                        dtype=_compute_dtype(_settings["precision"]))
