@@ -8,6 +8,7 @@ import json
 import statistics
 
 import pytest
+import torch
 
 from turbotrain.comm import ladder
 from turbotrain.comm.ladder import (
@@ -122,7 +123,11 @@ def test_bench_parser_can_take_only_the_dp_options():
 def test_quick_ladder_end_to_end(tmp_path):
     doc = run_dp_ladder(configs=["ddp", "ddp+accumulate4"], steps=2, warmup=2, quick=True, out_dir=tmp_path)
     assert json.loads((tmp_path / "dp_results.json").read_text()) == doc
-    assert doc["header"]["link"] == "loopback" and doc["header"]["precision"] == "bf16-master"
+    from turbotrain.precision.policy import resolve_precision
+
+    auto = resolve_precision("auto", torch.device("cpu"))[0]  # the ladder's default, resolved once
+    assert doc["header"]["link"] == "loopback" and doc["header"]["precision"] == auto
+    assert any("'auto' chose" in note for note in doc["header"]["notes"])
     assert doc["rows"] and all(KEY_COLUMNS <= set(row) for row in doc["rows"])
     for name in ("ddp", "ddp+accumulate4"):
         row = doc["configs"][name]

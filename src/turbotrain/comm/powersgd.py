@@ -103,15 +103,19 @@ def powersgd_hook(state: PowerSGDState, bucket) -> torch.futures.Future[torch.Te
         (low_rank if should_compress(view.shape, state.rank) else dense).append((p, view))
 
     # Phase 1: P = M Q for every compressed matrix, packed with the exact (pre-divided) dense grads.
+    # The arithmetic is memory-bound (rank-r products read the whole matrix once each), so every
+    # full-size pass works in place: M is the bucket's own fp32 view (the result overwrites it at
+    # the end anyway) and the error buffer is reused from step to step.
     mats, ps = [], []
     for p, view in low_rank:
         name = state.names.get(id(p), str(id(p)))
         rows, cols = matrix_shape(view.shape)
         r = min(state.rank, rows, cols)
-        m = view.detach().reshape(rows, cols).float()
+        m = view.detach().reshape(rows, cols)
+        m = m if m.dtype == torch.float32 else m.float()
         err = state.errors.get(name)
         if err is not None:
-            m = m + err.to(m.device)
+            m.add_(err.to(m.device))
         q = state.q_for(name, cols, r, m.device).to(m.device)
         mats.append((name, view, m))
         ps.append(m @ q)
@@ -135,8 +139,12 @@ def powersgd_hook(state: PowerSGDState, bucket) -> torch.futures.Future[torch.Te
         offset += k
         p_hat = orthonormalise(p_sum)
         q_local = m.t() @ p_hat
-        # Local residual: what this rank's share of the rank-r estimate misses.
-        state.errors[name] = m - p_hat @ q_local.t()
+        # Local residual: what this rank's share of the rank-r estimate misses (one fused pass).
+        err = state.errors.get(name)
+        if err is None or err.shape != m.shape or err.device != m.device:
+            err = torch.empty_like(m)
+            state.errors[name] = err
+        torch.addmm(m, p_hat, q_local.t(), alpha=-1.0, out=err)
         ortho.append(p_hat)
         q_locals.append(q_local)
     if q_locals:
@@ -148,6 +156,10 @@ def powersgd_hook(state: PowerSGDState, bucket) -> torch.futures.Future[torch.Te
             q_sum = phase2[offset:offset + k].view(q_local.shape)
             offset += k
             state.qs[name] = q_sum.clone()
-            view.copy_((p_hat @ q_sum.t()).div_(n).view(view.shape))
+            mean_q = q_sum.t() / n  # divide the thin factor, not the full product
+            if m.data_ptr() == view.data_ptr():  # fp32 bucket: write the estimate straight into it
+                torch.mm(p_hat, mean_q, out=m)
+            else:
+                view.copy_((p_hat @ mean_q).view(view.shape))
     state.close_bucket(bucket)
     return _completed(bucket.buffer())
