@@ -51,8 +51,8 @@ class LiveLadder:
 
     def _render(self, with_bar: bool = True):
         table = Table(title=f"turbotrain bench: {self.header['workload']['name']} on {self.header['run']['device']}")
-        for column in TABLE_COLUMNS:
-            table.add_column(column, overflow="fold")
+        for i, column in enumerate(TABLE_COLUMNS):  # the config name is never folded: it is what --configs takes
+            table.add_column(column, overflow="fold", no_wrap=i == 0, min_width=max(map(len, self.names)) if i == 0 else None)
         configs = build_results(self.header, self.raw)["configs"] if self.raw else {}
         unit = self.header["workload"]["unit"]
         for name in self.names:
