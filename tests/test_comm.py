@@ -176,3 +176,18 @@ def test_plan_hash_and_differences():
     assert plan_hash(a) == plan_hash(dict(a)) != plan_hash(b)
     diff = _differences(b, a)
     assert "compression ('bf16' vs None)" in diff and any(d.startswith("params") for d in diff)
+
+
+def test_powersgd_state_dict_does_not_alias_the_in_place_error_buffers():
+    # the hook updates its error buffers in place; a saved (or loaded) state must not move with them
+    from turbotrain.comm.powersgd import PowerSGDState
+
+    state = PowerSGDState(rank=2)
+    state.errors["w"] = torch.zeros(4, 3)
+    saved = state.state_dict()
+    state.errors["w"].add_(1.0)
+    assert torch.equal(saved["errors"]["w"], torch.zeros(4, 3))
+    other = PowerSGDState(rank=2)
+    other.load_state_dict(saved)
+    other.errors["w"].add_(1.0)
+    assert torch.equal(saved["errors"]["w"], torch.zeros(4, 3))

@@ -72,14 +72,15 @@ class PowerSGDState(HookState):
 
     def state_dict(self) -> dict:
         sd = super().state_dict()
-        sd["qs"] = {k: v.detach().cpu() for k, v in self.qs.items()}
-        sd["errors"] = {k: v.detach().cpu() for k, v in self.errors.items()}
+        # copies: the hook updates the error buffers in place, which must not change a saved state
+        sd["qs"] = {k: v.detach().to("cpu", copy=True) for k, v in self.qs.items()}
+        sd["errors"] = {k: v.detach().to("cpu", copy=True) for k, v in self.errors.items()}
         return sd
 
     def load_state_dict(self, sd: dict) -> None:
         super().load_state_dict(sd)
-        self.qs = dict(sd.get("qs", {}))
-        self.errors = dict(sd.get("errors", {}))
+        self.qs = {k: v.clone() for k, v in sd.get("qs", {}).items()}
+        self.errors = {k: v.clone() for k, v in sd.get("errors", {}).items()}
 
 
 def _bucket_views(bucket):
