@@ -34,6 +34,8 @@ __all__ = [
     "measure_matmul_peak",
     "measure_memory_bandwidth",
     "recommend_precision",
+    "native_bf16_feature",
+    "NATIVE_BF16_FEATURES",
     "cache_dir",
     "resolve_device",
     "default_matmul_size",
@@ -44,6 +46,8 @@ __all__ = [
 ]
 
 #: /proc/cpuinfo flags that decide how fast low precision runs on a CPU.
+#: CPU flags with which torch's bf16 matmul is native; without them it is emulated (tens of times slower).
+NATIVE_BF16_FEATURES = ("amx_bf16", "avx512_bf16")
 CPU_FEATURES = ("amx_bf16", "amx_tile", "avx512_bf16", "avx512_fp16", "avx512f", "avx2")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _VERSIONED = ("torch", "rich", "tokenizers", "numpy", "matplotlib")
@@ -150,10 +154,14 @@ def recommend_precision(info: HardwareInfo) -> tuple[str, str]:
         if major == 7:
             return "fp16-master", f"CUDA capability {major}.{minor} has fp16 tensor cores but no bf16"
         return "fp32", f"CUDA capability {major}.{minor} has no low-precision tensor cores"
-    for feature in ("amx_bf16", "avx512_bf16"):
-        if feature in info.cpu_features:
-            return "bf16-master", f"CPU flag {feature} gives native bf16 matmul"
-    return "fp32", "no CPU flag for native bf16 matmul (amx_bf16, avx512_bf16) was found"
+    if feature := native_bf16_feature(info):
+        return "bf16-master", f"CPU flag {feature} gives native bf16 matmul"
+    return "fp32", f"no CPU flag for native bf16 matmul ({', '.join(NATIVE_BF16_FEATURES)}) was found"
+
+
+def native_bf16_feature(info: HardwareInfo) -> str | None:
+    """The CPU flag that gives ``info``'s CPU native bf16 matmul, or None where torch emulates it."""
+    return next((f for f in NATIVE_BF16_FEATURES if f in info.cpu_features), None)
 
 
 # ----------------------------------------------------------------------------------------- caching

@@ -19,6 +19,9 @@ from .configs import make_optimizer, register_config
 __all__ = ["PeerTrainer", "autocast_dtype"]
 
 
+_DTYPE_NAMES = {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}  # autocast dtype -> matmul dtype
+
+
 def autocast_dtype(device: str) -> torch.dtype:
     """What a user passes to torch.autocast on ``device``."""
     return torch.bfloat16 if device == "cpu" else torch.float16
@@ -34,7 +37,7 @@ class PeerTrainer:
         self.model = workload.build_model().to(device)
         self.optimizer = make_optimizer(self.model.parameters(), **({"fused": True} if fused_adamw else {}))
         self.amp_dtype = autocast_dtype(device) if amp else None
-        self.compute_dtype = {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[self.amp_dtype]
+        self.compute_dtype = _DTYPE_NAMES[self.amp_dtype]
         self.scaler = torch.amp.GradScaler(device, enabled=self.amp_dtype == torch.float16)
         self.forward = torch.compile(self.model) if compile else self.model
         self.compiled = compile
@@ -69,7 +72,7 @@ class PeerTrainer:
 
 register_config("fp32-eager", "plain PyTorch loop in fp32, AdamW (foreach)", group="peer",
                 build=lambda workload, device: PeerTrainer(workload, device))
-_AMP_DTYPE = {"cpu": "bf16", "cuda": "fp16"}
+_AMP_DTYPE = {d: _DTYPE_NAMES[autocast_dtype(d)] for d in ("cpu", "cuda")}  # the matmul dtype of the autocast rows
 register_config("torch-amp", "torch.autocast (bf16 on CPU, fp16 + GradScaler on CUDA), AdamW", group="peer",
                 dtype=_AMP_DTYPE, build=lambda workload, device: PeerTrainer(workload, device, amp=True))
 register_config("torch-compile", "torch.compile(model) + autocast + AdamW(fused=True)", group="peer",

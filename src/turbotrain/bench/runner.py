@@ -143,26 +143,26 @@ def _fit_to_hardware(names: list[str], env: dict, device: str, *, default: bool,
     compute in them (each would take tens of times longer and measure the emulation) and runs their
     fp32 twins; rows named in --configs run as asked. Either way the header says so."""
     slow = slow_dtypes(env)
-    hit = [n for n in names if get_config(n).dtype_on(device) in slow]
+    dtypes = {n: get_config(n).dtype_on(device) for n in names}
+    hit = [n for n in names if dtypes[n] in slow]
     if not hit:
         return names
     peaks = env["matmul_peak_flops"]
     why = "; ".join(f"{d} matmul measures {peaks[d] / 1e9:.1f} GFLOP/s here against fp32's "
-                    f"{peaks['fp32'] / 1e9:.1f} ({x:.0f}x slower: no native {d} matmul)"
-                    for d, x in slow.items() if any(get_config(n).dtype_on(device) == d for n in hit))
+                    f"{peaks['fp32'] / 1e9:.1f} ({slow[d]:.0f}x slower: no native {d} matmul)"
+                    for d in dict.fromkeys(dtypes[n] for n in hit))
     if not default:
         notes.append(f"{why}; {', '.join(hit)} run as asked, and measure that emulation")
         return names
+    twin = {n: get_config(n).fp32_twin for n in hit}
     out: list[str] = []
     for n in names:
-        config = get_config(n)
-        if n not in hit:
-            out.append(n)
-        elif config.fp32_twin and config.fp32_twin not in out:
-            out.append(config.fp32_twin)
-    twins = [f"{n} -> {get_config(n).fp32_twin}" for n in hit if get_config(n).fp32_twin]
+        replacement = twin[n] if n in hit else n
+        if replacement and replacement not in out:
+            out.append(replacement)
+    swaps = [f"{n} -> {t}" for n, t in twin.items() if t]
     notes.append(f"{why}; left out of the default ladder: {', '.join(hit)}"
-                 + (f"; fp32 rows in their place: {', '.join(twins)}" if twins else "")
+                 + (f"; fp32 rows in their place: {', '.join(swaps)}" if swaps else "")
                  + " (name rows in --configs to run them anyway; precision='auto' picks fp32 here)")
     return out
 

@@ -38,12 +38,6 @@ def resolve_precision(precision: str, device: torch.device) -> tuple[str, str]:
     return hardware.recommend_precision(hardware.detect(device.type))
 
 
-def _cpu_has_native_bf16() -> bool:
-    from ..hardware import detect
-
-    return any(f in detect("cpu").cpu_features for f in ("amx_bf16", "avx512_bf16"))
-
-
 def find_head(model: nn.Module) -> tuple[str, nn.Linear] | None:
     """The classifier head: a Linear with a conventional head name, else the last Linear."""
     linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
@@ -87,13 +81,17 @@ class Precision:
                 "use precision='bf16-master' for speed (fp16 on CPU is for checking fp16 numerics).",
                 stacklevel=3,
             )
-        if self.dtype is torch.bfloat16 and device.type == "cpu" and not _cpu_has_native_bf16():
-            warnings.warn(
-                f"precision={self.mode!r} on a CPU without native bf16 matmul (no amx_bf16 or avx512_bf16 "
-                "flag): torch emulates it, typically tens of times slower than fp32. It trains correctly; "
-                "for speed here use precision='fp32' (what 'auto' picks).",
-                stacklevel=3,
-            )
+        if self.dtype is torch.bfloat16 and device.type == "cpu":
+            from .. import hardware
+
+            if hardware.native_bf16_feature(hardware.detect("cpu")) is None:
+                warnings.warn(
+                    f"precision={self.mode!r} on a CPU without native bf16 matmul (no "
+                    f"{' or '.join(hardware.NATIVE_BF16_FEATURES)} flag): torch emulates it, typically tens "
+                    "of times slower than fp32. It trains correctly; for speed here use precision='fp32' "
+                    "(what 'auto' picks).",
+                    stacklevel=3,
+                )
         if self.dtype is torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
             raise HardwareError(
                 f"precision={self.mode!r} needs bf16 support, which this GPU lacks; "
