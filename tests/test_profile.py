@@ -94,18 +94,38 @@ def test_flops_are_exact_and_exclude_recompute(mode):
     assert addmm.calls == 4 if mode is None else addmm.calls > 4  # the profiler sees recompute calls too
 
 
-def test_cast_dominated_model_recommends_bf16_master():
-    # Big weights, one-row batches, autocast: every forward casts 4 x 512x512 weights to bf16
-    # while the matmuls themselves are tiny, so casts dominate.
+def test_autocast_weight_casts_are_measured_as_casts():
+    # Autocast casts every Linear weight to bf16 each forward: the profile must find that time,
+    # in the casts category, from the recorded _to_copy ops. How large a share it is depends on
+    # the machine (bf16 matmul is emulated on AVX2-only CPUs), so the advice rule is tested
+    # separately on given shares below.
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(4)])
-    # plain SGD: AdamW's several passes over the weights would compete with the casts for the
-    # largest share and make the 10% threshold a coin toss on a busy machine
     engine = StandInEngine(model, autocast_dtype=torch.bfloat16, optimizer=torch.optim.SGD)
-    # one row, not two: where bf16 matmul is emulated (AVX2-only CPUs) two rows put casts at 9.7%
     report = profile(engine, batches(b=1, d=512), steps=2, warmup=1, peak_flops=PEAK_FLOPS, peak_bandwidth=PEAK_BW)
-    assert report.shares["casts"] > 0.10, report.categories
-    assert any(r.config == "Config(precision='bf16-master')" for r in report.recommendations), str(report)
+    assert report.shares["casts"] > 0.0, report.categories
+    copies = [r for r in report.ops if r.name == "aten::_to_copy"]
+    assert copies and all(r.category == "casts" for r in copies)
+    assert copies[0].calls >= 4  # at least one cast per weight per profiled step
+
+
+def _given_report(**shares):
+    from types import SimpleNamespace
+    return SimpleNamespace(shares={**dict.fromkeys(CATEGORIES, 0.0), **shares}, ops=[],
+                           matmul_dtypes=("bfloat16",), mfu=0.5)
+
+
+@pytest.mark.parametrize("casts, precision, expected", [
+    (0.12, "bf16-mixed", True),     # over the 10% threshold: advise keeping the weights in bf16
+    (0.08, "bf16-mixed", False),    # under it: not worth the change
+    (0.30, "bf16-master", False),   # already on
+])
+def test_cast_advice_follows_the_share(casts, precision, expected):
+    from types import SimpleNamespace
+    from turbotrain.profile.advice import recommend
+    recs = recommend(_given_report(casts=casts), SimpleNamespace(precision=precision))
+    advised = any(r.config == "Config(precision='bf16-master')" for r in recs)
+    assert advised == expected, recs
 
 
 def test_fp32_model_is_not_told_about_casts():
