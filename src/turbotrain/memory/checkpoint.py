@@ -104,6 +104,13 @@ def _checkpointed_call(original_forward, mode: str, module, *args, **kwargs):
     if not torch.is_grad_enabled():
         # Nothing is saved for backward under no_grad, so checkpointing would only add overhead.
         return original_forward(module, *args, **kwargs)
+    context = {"context_fn": _selective_contexts} if mode == "selective" else {}
+    if torch.compiler.is_compiling():
+        # Under torch.compile the region becomes one checkpoint op in the graph and AOTAutograd
+        # emits its recomputation into the backward graph, with the dtypes traced in forward; the
+        # replay wrapper below is a Python side effect dynamo would break the graph on.
+        return checkpoint(functools.partial(original_forward, module), *args, use_reentrant=False, **context,
+                          **kwargs)
     calls = 0
     forward_modes = tuple(torch.overrides._get_current_function_mode_stack())
 
@@ -115,9 +122,7 @@ def _checkpointed_call(original_forward, mode: str, module, *args, **kwargs):
         with _recomputing(), _function_modes(forward_modes):
             return original_forward(module, *inner_args, **kwargs)
 
-    if mode == "selective":
-        return checkpoint(run, *args, use_reentrant=False, context_fn=_selective_contexts)
-    return checkpoint(run, *args, use_reentrant=False)
+    return checkpoint(run, *args, use_reentrant=False, **context)
 
 
 @functools.lru_cache(maxsize=None)
