@@ -93,6 +93,13 @@ MEMORY_CONFIGS = {
     "tt-ckpt-blocks-fused-ce": ({"precision": "bf16-master", "fused_optimizer": True, "checkpoint": "blocks",
                                  "fuse": ("linear_cross_entropy",)},
                                 "bf16-master + block checkpointing + fused linear+cross-entropy"),
+    # fp32 versions, for CPUs where bf16 matmul is emulated; compiled, the checkpoint is one graph op
+    "tt-ckpt-blocks-fused-ce-fp32": ({"precision": "fp32", "fused_optimizer": True, "checkpoint": "blocks",
+                                      "fuse": ("linear_cross_entropy",)},
+                                     "fp32 + block checkpointing + fused linear+cross-entropy"),
+    "tt-ckpt-blocks-fused-ce-compile-fp32": ({"precision": "fp32", "fused_optimizer": True, "checkpoint": "blocks",
+                                              "fuse": ("linear_cross_entropy",), "compile": True},
+                                             "fp32 + block checkpointing + fused linear+cross-entropy + torch.compile"),
 }
 
 
