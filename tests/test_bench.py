@@ -11,7 +11,7 @@ from torch import nn
 
 from turbotrain.bench import configs as registry
 from turbotrain.bench.flops import count_step_flops
-from turbotrain.bench.report import SCHEMA, config_metrics, train_loss_window
+from turbotrain.bench.report import SCHEMA, bf16_is_fast_path, config_metrics, train_loss_window
 from turbotrain.bench.runner import BASELINE, QUICK_OVERRIDES, _fit_to_hardware, _implausible_mfu, run_worker, slow_dtypes
 from turbotrain.bench.stats import mfu, percentile, summarize
 from turbotrain.bench.worker import RssSampler, WorkerSpec, fixed_batches, load_workload
@@ -181,6 +181,9 @@ def test_mfu_and_derived_metrics_on_known_numbers():
     assert m["step_time"]["median"] == 3.0
     assert m["mfu"]["median"] == pytest.approx(4e9 / 3.0 / 1e10)
     assert m["mfu_bf16"]["median"] == pytest.approx(4e9 / 3.0 / 4e10)
+    # where bf16 is emulated (slower than fp32) a fraction of its peak means nothing: left out
+    slow_bf16 = dict(header, environment={"matmul_peak_flops": {"fp32": 1e10, "bf16": 1e9}})
+    assert "mfu_bf16" not in config_metrics(slow_bf16, row, base)
     # a rate's p20 comes from the step time's p80 (slower steps, fewer tokens/s)
     assert m["throughput"]["p20"] == pytest.approx(1000 / np.percentile(steps, 80))
     assert m["throughput"]["p80"] == pytest.approx(1000 / np.percentile(steps, 20))
@@ -287,9 +290,10 @@ def test_quick_results_schema(quick_run):
     assert {r["config"] for r in rows} == set(QUICK_PAIR)
     by = {(r["config"], r["metric"]): r for r in rows}
     for config in QUICK_PAIR:
-        for metric in ("step_time", "throughput", "speedup", "peak_memory", "mfu", "mfu_bf16", "train_loss",
+        for metric in ("step_time", "throughput", "speedup", "peak_memory", "mfu", "train_loss",
                        "val_loss", "val_loss_delta", "achieved_flops"):
             assert (config, metric) in by, (config, metric)
+        assert ((config, "mfu_bf16") in by) == bf16_is_fast_path(header["environment"]["matmul_peak_flops"])
         detail = results["configs"][config]
         assert len(detail["losses"]) == header["run"]["warmup"] + header["run"]["steps"]
         assert len(detail["step_seconds"]) == header["run"]["steps"]

@@ -26,7 +26,8 @@ __all__ = ["LadderSettings", "run_ladder", "run_worker", "slow_dtypes", "BASELIN
            "DEFAULT_STEPS", "DEFAULT_WARMUP", "QUICK_STEPS", "QUICK_WARMUP"]
 
 MFU_CONVENTIONS = ("achieved FLOP/s (flops_per_step / step time) divided by the measured matmul peak of the "
-                   "row's compute dtype (mfu) and of bf16 (mfu_bf16); peaks: ")
+                   "row's compute dtype (mfu) and of bf16 (mfu_bf16, only where bf16 is at least as fast as "
+                   "fp32); peaks: ")
 #: Quick mode shrinks the model so four rows finish in well under a minute on 2 cores; the header
 #: says so, and its figures are a smoke test, not a benchmark.
 QUICK_OVERRIDES = {"gpt": {"d": 128, "n_layer": 2, "n_head": 4, "T": 64, "B": 4}}
