@@ -11,7 +11,7 @@ from torch import nn
 
 from turbotrain.bench import configs as registry
 from turbotrain.bench.flops import count_step_flops
-from turbotrain.bench.report import SCHEMA, bf16_is_fast_path, config_metrics, train_loss_window
+from turbotrain.bench.report import SCHEMA, config_metrics, train_loss_window
 from turbotrain.bench.runner import BASELINE, QUICK_OVERRIDES, _fit_to_hardware, _implausible_mfu, run_worker, slow_dtypes
 from turbotrain.bench.stats import mfu, percentile, summarize
 from turbotrain.bench.worker import RssSampler, WorkerSpec, fixed_batches, load_workload
@@ -293,7 +293,7 @@ def test_quick_results_schema(quick_run):
         for metric in ("step_time", "throughput", "speedup", "peak_memory", "mfu", "train_loss",
                        "val_loss", "val_loss_delta", "achieved_flops"):
             assert (config, metric) in by, (config, metric)
-        assert ((config, "mfu_bf16") in by) == bf16_is_fast_path(header["environment"]["matmul_peak_flops"])
+        assert ((config, "mfu_bf16") in by) == ("bf16" not in slow_dtypes(header["environment"]))
         detail = results["configs"][config]
         assert len(detail["losses"]) == header["run"]["warmup"] + header["run"]["steps"]
         assert len(detail["step_seconds"]) == header["run"]["steps"]

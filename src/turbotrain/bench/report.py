@@ -9,9 +9,9 @@ import os
 from pathlib import Path
 
 from .configs import BASELINE, get_config
-from .stats import achieved_flops, mfu, relative_change, summarize, throughput
+from .stats import achieved_flops, mfu, relative_change, slow_dtypes, summarize, throughput
 
-__all__ = ["config_metrics", "bf16_is_fast_path", "build_results", "write_reports", "train_loss_window", "SCHEMA", "CHARTS"]
+__all__ = ["config_metrics", "build_results", "write_reports", "train_loss_window", "SCHEMA", "CHARTS"]
 
 SCHEMA = "turbotrain-bench/1"
 CHARTS = ("throughput", "speedup", "memory", "loss")
@@ -46,7 +46,8 @@ def config_metrics(header: dict, result: dict, baseline: dict | None) -> dict[st
     if result.get("ops_per_step") is not None:
         out["ops_per_step"] = _metric("aten ops", result["ops_per_step"])
     references = [("mfu", result["compute_dtype"])]
-    if bf16_is_fast_path(peaks):
+    # where bf16 is emulated (slower than fp32) every fp32 row would sit far above 100% of its peak
+    if "bf16" not in slow_dtypes(header["environment"]):
         references.append(("mfu_bf16", "bf16"))
     for name, dtype in references:
         if dtype in peaks:
@@ -59,15 +60,6 @@ def config_metrics(header: dict, result: dict, baseline: dict | None) -> dict[st
         out["speedup"] = _metric("x", base_median / times["median"])
         out["val_loss_delta"] = _metric("%", relative_change(result["val_loss"], baseline["val_loss"]))
     return out
-
-
-def bf16_is_fast_path(peaks: dict) -> bool:
-    """Whether a fraction of the bf16 peak says how far a row is from this machine's best.
-
-    Where bf16 matmul is emulated (slower than fp32), every fp32 row would sit far above 100% of
-    that peak, a figure that reads as an error; mfu_bf16 is left out there.
-    """
-    return "bf16" in peaks and peaks["bf16"] >= peaks.get("fp32", 0.0)
 
 
 def _mfu_at(peak: float):

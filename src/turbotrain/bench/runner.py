@@ -20,6 +20,7 @@ from ..hardware import environment_report, measure_matmul_peak, print_environmen
 from .configs import BASELINE, OPTIMIZER_SETTINGS, default_configs, get_config, list_configs, resolve_names
 from .flops import FLOP_CONVENTIONS, count_step_flops
 from .report import train_loss_window
+from .stats import slow_dtypes
 from .worker import CPU_MEMORY_METHOD, CUDA_MEMORY_METHOD, WorkerSpec, fixed_batches, load_workload
 
 __all__ = ["LadderSettings", "run_ladder", "run_worker", "slow_dtypes", "BASELINE", "QUICK_OVERRIDES", "QUICK_CONFIGS",
@@ -130,13 +131,6 @@ def _plan(settings: LadderSettings) -> tuple[str, list[str], dict, list[str]]:
         notes.append(f"quick mode: {settings.steps} steps, {settings.warmup} warm-up, {size}; "
                      "a smoke test, not a benchmark")
     return device, names, overrides, notes
-
-
-def slow_dtypes(env: dict) -> dict[str, float]:
-    """Low-precision dtypes whose measured matmul peak is below fp32's, as {dtype: times slower}."""
-    peaks = env["matmul_peak_flops"]
-    fp32 = peaks.get("fp32")
-    return {d: fp32 / v for d, v in peaks.items() if d != "fp32" and fp32 and 0 < v < fp32}
 
 
 def _fit_to_hardware(names: list[str], env: dict, device: str, *, default: bool, notes: list[str]) -> list[str]:

@@ -17,7 +17,7 @@ from typing import Sequence
 
 from ..errors import ConfigError
 
-__all__ = ["Summary", "percentile", "summarize", "mfu", "achieved_flops", "throughput", "relative_change"]
+__all__ = ["Summary", "percentile", "summarize", "mfu", "achieved_flops", "throughput", "relative_change", "slow_dtypes"]
 
 
 @dataclass(frozen=True)
@@ -74,3 +74,10 @@ def throughput(items_per_step: float, step_seconds: float) -> float:
 def relative_change(value: float, reference: float) -> float:
     """(value - reference) / reference in percent."""
     return 100.0 * (value - reference) / reference
+
+
+def slow_dtypes(env: dict) -> dict[str, float]:
+    """Low-precision dtypes whose measured matmul peak is below fp32's, as {dtype: times slower}."""
+    peaks = env["matmul_peak_flops"]
+    fp32 = peaks.get("fp32")
+    return {d: fp32 / v for d, v in peaks.items() if d != "fp32" and fp32 and 0 < v < fp32}
