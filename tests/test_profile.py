@@ -2,6 +2,7 @@
 
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ from torch import nn
 
 from turbotrain.memory import apply_checkpointing
 from turbotrain.profile import CATEGORIES, category_of_name, profile
+from turbotrain.profile.advice import recommend
 
 # Given rather than measured, so the tests do not benchmark the machine; the values only scale MFU.
 PEAK_FLOPS, PEAK_BW = 1e11, 1e10
@@ -110,7 +112,6 @@ def test_autocast_weight_casts_are_measured_as_casts():
 
 
 def _given_report(**shares):
-    from types import SimpleNamespace
     return SimpleNamespace(shares={**dict.fromkeys(CATEGORIES, 0.0), **shares}, ops=[],
                            matmul_dtypes=("bfloat16",), mfu=0.5)
 
@@ -121,8 +122,6 @@ def _given_report(**shares):
     (0.30, "bf16-master", False),   # already on
 ])
 def test_cast_advice_follows_the_share(casts, precision, expected):
-    from types import SimpleNamespace
-    from turbotrain.profile.advice import recommend
     recs = recommend(_given_report(casts=casts), SimpleNamespace(precision=precision))
     advised = any(r.config == "Config(precision='bf16-master')" for r in recs)
     assert advised == expected, recs
