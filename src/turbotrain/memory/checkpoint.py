@@ -109,8 +109,9 @@ def _checkpointed_call(original_forward, mode: str, module, *args, **kwargs):
         # Under torch.compile the region becomes one checkpoint op in the graph and AOTAutograd
         # emits its recomputation into the backward graph, with the dtypes traced in forward; the
         # replay wrapper below is a Python side effect dynamo would break the graph on.
-        return checkpoint(functools.partial(original_forward, module), *args, use_reentrant=False, **context,
-                          **kwargs)
+        # kwargs are bound, not passed through: a forward keyword such as `debug` is not checkpoint's
+        return checkpoint(functools.partial(original_forward, module, **kwargs), *args, use_reentrant=False,
+                          **context)
     calls = 0
     forward_modes = tuple(torch.overrides._get_current_function_mode_stack())
 
