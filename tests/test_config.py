@@ -1,3 +1,5 @@
+import json
+
 import pytest
 
 from turbotrain import Config, ConfigError, DataParallelConfig, LossScaleConfig
@@ -55,3 +57,78 @@ def test_config_is_frozen_and_replace_revalidates():
 def test_to_dict_is_plain():
     d = Config(precision="fp16-master", fuse=("qkv",)).to_dict()
     assert d["fuse"] == ["qkv"] and d["loss_scale"]["init_scale"] == 2.0**16
+
+
+TRUE_OR_FALSE = "True or False"
+
+
+@pytest.mark.parametrize(
+    "cls, kwargs, fix",
+    [
+        # numbers given as strings, bools or None: the old checks compared them and raised TypeError
+        (Config, {"clip_grad_norm": "1.0"}, "a number > 0"),
+        (LossScaleConfig, {"init_scale": "big"}, "a number > 0"),
+        (LossScaleConfig, {"min_scale": None}, "a number > 0"),
+        (LossScaleConfig, {"max_scale": "inf"}, "a number > 0"),
+        (LossScaleConfig, {"growth_factor": "2"}, "a number > 1"),
+        (LossScaleConfig, {"backoff_factor": "0.5"}, "a number > 0 and < 1"),
+        (LossScaleConfig, {"backoff_factor": None}, "a number > 0 and < 1"),
+        (DataParallelConfig, {"bucket_mb": "25"}, "a number > 0"),
+        (DataParallelConfig, {"bucket_mb": None}, "a number > 0"),
+        # containers that are not tuples: the old code iterated them
+        (Config, {"fuse": 1}, "'linear_cross_entropy'"),
+        (Config, {"fuse": 0}, "'linear_cross_entropy'"),
+        (Config, {"fuse": {"qkv": 1}}, "'linear_cross_entropy'"),
+        (Config, {"seq_buckets": 64}, "tuple of positive integers"),
+        (Config, {"seq_buckets": (64, "128")}, "positive integer"),
+        (Config, {"seq_buckets": (64, True)}, "positive integer"),
+        # flags that are not real bools: "no" used to switch the flag on
+        (Config, {"nan_check": "no"}, TRUE_OR_FALSE),
+        (Config, {"keep_fp32_head": 1}, TRUE_OR_FALSE),
+        (Config, {"compile": "yes"}, TRUE_OR_FALSE),
+        (Config, {"sync_stats": None}, TRUE_OR_FALSE),
+        (Config, {"track_grad_norm": 0}, TRUE_OR_FALSE),
+        (DataParallelConfig, {"sync_bn": "no"}, TRUE_OR_FALSE),
+        (DataParallelConfig, {"sparse_embeddings": 1}, TRUE_OR_FALSE),
+        (DataParallelConfig, {"find_unused_parameters": "False"}, TRUE_OR_FALSE),
+    ],
+    ids=lambda v: v.__name__ if isinstance(v, type) else None,
+)
+def test_wrong_types_raise_config_error_naming_field_value_and_fix(cls, kwargs, fix):
+    with pytest.raises(ConfigError) as info:
+        cls(**kwargs)
+    message = str(info.value)
+    (name, value), = kwargs.items()
+    assert f"{name}={value!r}" in message
+    assert fix in message
+    assert "\n" not in message
+
+
+def test_from_dict_and_from_json_invert_to_dict():
+    cfg = Config(
+        precision="fp16-master", loss_scale=LossScaleConfig(init_scale=2.0**12, hysteresis=2),
+        keep_fp32_head=True, accumulate=4, clip_grad_norm=1.0, fuse=("qkv", "swiglu"), seq_buckets=(256, 128),
+        checkpoint="blocks", data_parallel=DataParallelConfig(compression="powersgd", sync_bn=True),
+        nan_check=True, device="cpu", track_grad_norm=True,
+    )
+    assert Config.from_dict(cfg.to_dict()) == cfg
+    assert Config.from_json(json.dumps(cfg.to_dict())) == cfg
+    assert Config.from_dict(Config(data_parallel=True).to_dict()).data_parallel == DataParallelConfig()
+    assert Config.from_dict({}) == Config()
+
+
+@pytest.mark.parametrize(
+    "build, fragments",
+    [
+        (lambda: Config.from_dict({"acumulate": 4}), ["'acumulate'", "accumulate"]),
+        (lambda: Config.from_dict({"loss_scale": {"init": 1.0}}), ["loss_scale", "'init'", "init_scale"]),
+        (lambda: Config.from_dict({"data_parallel": {"rank": 2}}), ["data_parallel", "'rank'", "powersgd_rank"]),
+        (lambda: Config.from_dict(["fp32"]), ["dict"]),
+        (lambda: Config.from_json("precision: fp32"), ["JSON object"]),
+        (lambda: Config.from_json('{"nan_check": "no"}'), ["nan_check='no'", TRUE_OR_FALSE]),
+    ],
+)
+def test_from_dict_names_unknown_keys_and_bad_input(build, fragments):
+    with pytest.raises(ConfigError) as info:
+        build()
+    assert all(f in str(info.value) for f in fragments), str(info.value)

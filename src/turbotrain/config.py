@@ -6,10 +6,11 @@ switched on unless it is named here.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, fields, replace
 
 from .comm.config import DataParallelConfig
-from .errors import ConfigError, check_choice, check_positive
+from .errors import ConfigError, check_bool, check_choice, check_number
 from .precision.config import PRECISIONS, LossScaleConfig
 
 __all__ = ["Config", "CHECKPOINT_MODES", "DEVICES", "FUSION_PATTERNS"]
@@ -26,6 +27,8 @@ class Config:
 
     >>> Config(precision="bf16-master", accumulate=4, clip_grad_norm=1.0).accumulate
     4
+    >>> Config.from_dict(Config(fuse=("qkv",)).to_dict()).fuse
+    ('qkv',)
     """
 
     precision: str = "fp32"
@@ -62,19 +65,19 @@ class Config:
         check_choice("precision", self.precision, PRECISIONS)
         check_choice("checkpoint", self.checkpoint, CHECKPOINT_MODES)
         check_choice("device", self.device, DEVICES)
-        if not isinstance(self.accumulate, int) or isinstance(self.accumulate, bool) or self.accumulate < 1:
-            raise ConfigError(f"accumulate={self.accumulate!r} is not valid; it must be an integer >= 1")
+        for name in ("keep_fp32_head", "compile", "nan_check", "sync_stats", "track_grad_norm"):
+            check_bool(name, getattr(self, name))
+        check_number("accumulate", self.accumulate, integer=True, minimum=1)
         if self.clip_grad_norm is not None:
-            check_positive("clip_grad_norm", self.clip_grad_norm)
+            check_number("clip_grad_norm", self.clip_grad_norm, minimum=0, exclusive=True)
         if not isinstance(self.loss_scale, LossScaleConfig):
-            raise ConfigError("loss_scale must be a turbotrain.LossScaleConfig")
+            raise ConfigError(
+                f"loss_scale={self.loss_scale!r} is not valid; pass a turbotrain.LossScaleConfig "
+                "(Config.from_dict builds one from a dict)"
+            )
         object.__setattr__(self, "fuse", _normalise_fuse(self.fuse))
         object.__setattr__(self, "data_parallel", _normalise_dp(self.data_parallel))
-        if self.seq_buckets is not None:
-            buckets = tuple(sorted(set(self.seq_buckets)))
-            if not buckets or any(not isinstance(b, int) or b < 1 for b in buckets):
-                raise ConfigError(f"seq_buckets={self.seq_buckets!r} must be positive integers")
-            object.__setattr__(self, "seq_buckets", buckets)
+        object.__setattr__(self, "seq_buckets", _normalise_buckets(self.seq_buckets))
 
     def replace(self, **changes) -> "Config":
         """A copy with some fields changed (validated again)."""
@@ -92,6 +95,40 @@ class Config:
             out[f.name] = value
         return out
 
+    @classmethod
+    def from_dict(cls, d: dict) -> "Config":
+        """The inverse of to_dict: nested dicts become LossScaleConfig / DataParallelConfig.
+
+        Unknown keys raise ConfigError (a typo must not fall back to a default silently).
+        """
+        values = _known_fields(cls, d, "Config")
+        for name, nested in (("loss_scale", LossScaleConfig), ("data_parallel", DataParallelConfig)):
+            if isinstance(values.get(name), dict):
+                values[name] = nested(**_known_fields(nested, values[name], name))
+        return cls(**values)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Config":
+        """``Config.from_dict(json.loads(text))``, with a ConfigError for text that is not JSON."""
+        try:
+            d = json.loads(text)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"Config.from_json needs a JSON object such as '{{\"accumulate\": 4}}' ({exc})") from exc
+        return cls.from_dict(d)
+
+
+def _known_fields(cls, d, what: str) -> dict:
+    """A copy of ``d`` after checking it is a dict whose keys are all fields of dataclass ``cls``."""
+    if not isinstance(d, dict):
+        raise ConfigError(f"{what} must be a dict of settings, got {type(d).__name__}")
+    names = [f.name for f in fields(cls)]
+    unknown = [k for k in d if k not in names]
+    if unknown:
+        raise ConfigError(
+            f"unknown {what} setting(s) {', '.join(repr(k) for k in unknown)}; valid: {', '.join(names)}"
+        )
+    return dict(d)
+
 
 def _normalise_fuse(value) -> tuple[str, ...]:
     if value is True:
@@ -100,10 +137,27 @@ def _normalise_fuse(value) -> tuple[str, ...]:
         return ()
     if isinstance(value, str):
         value = (value,)
+    if not isinstance(value, (tuple, list)):
+        raise ConfigError(
+            f"fuse={value!r} is not valid; use True, False or a tuple of pattern names from: "
+            + ", ".join(repr(p) for p in FUSION_PATTERNS)
+        )
     patterns = tuple(value)
     for name in patterns:
         check_choice("fuse pattern", name, FUSION_PATTERNS)
     return patterns
+
+
+def _normalise_buckets(value) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    example = "such as (128, 256, 512)"
+    if not isinstance(value, (tuple, list)) or not value:
+        raise ConfigError(f"seq_buckets={value!r} is not valid; use None or a tuple of positive integers {example}")
+    for b in value:
+        if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+            raise ConfigError(f"seq_buckets={value!r} is not valid; each bucket must be a positive integer ({example})")
+    return tuple(sorted(set(value)))
 
 
 def _normalise_dp(value) -> DataParallelConfig | None:
@@ -112,5 +166,7 @@ def _normalise_dp(value) -> DataParallelConfig | None:
     if value is False or value is None:
         return None
     if not isinstance(value, DataParallelConfig):
-        raise ConfigError("data_parallel must be True, False or a turbotrain.DataParallelConfig")
+        raise ConfigError(
+            f"data_parallel={value!r} is not valid; use True, False, None or a turbotrain.DataParallelConfig"
+        )
     return value

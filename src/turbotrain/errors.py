@@ -1,7 +1,11 @@
 """Errors turbotrain raises on bad input.
 
 Every error names the problem and the fix, so a user never has to read the source to recover.
+The ``check_*`` helpers test a setting's type before its value, so a wrong type gets the same
+clear ConfigError as a wrong value instead of a TypeError from a comparison.
 """
+
+import numbers
 
 __all__ = [
     "TurbotrainError",
@@ -12,6 +16,11 @@ __all__ = [
     "DistributedError",
     "LossScaleError",
     "FusionError",
+    "CheckpointWarning",
+    "check_choice",
+    "check_bool",
+    "check_number",
+    "check_positive",
 ]
 
 
@@ -29,6 +38,10 @@ class UnknownWorkloadError(ConfigError):
 
 class CheckpointError(TurbotrainError):
     """A checkpoint cannot be written or read."""
+
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint was read, but without a guarantee it would normally carry (e.g. no content hash)."""
 
 
 class HardwareError(TurbotrainError):
@@ -54,9 +67,41 @@ def check_choice(name: str, value, choices) -> None:
         raise ConfigError(f"{name}={value!r} is not valid; choose one of: {listed}")
 
 
+def check_bool(name: str, value) -> None:
+    """Raise ConfigError unless ``value`` is a real bool: ``"no"`` or ``1`` would switch a flag on silently.
+
+    >>> check_bool("nan_check", True)
+    """
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name}={value!r} is not valid; it must be True or False (got {type(value).__name__})")
+
+
+def check_number(name: str, value, *, integer: bool = False, minimum=None, maximum=None,
+                 exclusive: bool = False) -> None:
+    """Raise ConfigError unless ``value`` is a number (not a bool or a string) within the bounds.
+
+    ``exclusive`` makes both bounds strict. NaN fails every bound.
+
+    >>> check_number("accumulate", 4, integer=True, minimum=1)
+    """
+    kind = "an integer" if integer else "a number"
+    bounds = []
+    if minimum is not None:
+        bounds.append(f"{'>' if exclusive else '>='} {minimum}")
+    if maximum is not None:
+        bounds.append(f"{'<' if exclusive else '<='} {maximum}")
+    wanted = f"{kind} {' and '.join(bounds)}".rstrip()
+    numeric = numbers.Integral if integer else numbers.Real
+    if isinstance(value, bool) or not isinstance(value, numeric):
+        raise ConfigError(f"{name}={value!r} is not valid; it must be {wanted} (got {type(value).__name__})")
+    if exclusive:
+        ok = (minimum is None or value > minimum) and (maximum is None or value < maximum)
+    else:
+        ok = (minimum is None or value >= minimum) and (maximum is None or value <= maximum)
+    if not ok:
+        raise ConfigError(f"{name}={value!r} is not valid; it must be {wanted}")
+
+
 def check_positive(name: str, value, *, allow_zero: bool = False) -> None:
     """Raise ConfigError when a numeric setting is not (strictly) positive."""
-    ok = value >= 0 if allow_zero else value > 0
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok:
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ConfigError(f"{name}={value!r} is not valid; it must be a number {bound}")
+    check_number(name, value, minimum=0, exclusive=not allow_zero)

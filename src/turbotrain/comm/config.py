@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import ConfigError, check_choice, check_positive
+from ..errors import check_bool, check_choice, check_number
 
 __all__ = ["DataParallelConfig", "COMPRESSIONS"]
 
@@ -33,8 +33,8 @@ class DataParallelConfig:
 
     def __post_init__(self):
         check_choice("compression", self.compression, COMPRESSIONS)
-        check_positive("bucket_mb", self.bucket_mb)
-        for name in ("powersgd_rank", "warmup_steps"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < (1 if name == "powersgd_rank" else 0):
-                raise ConfigError(f"{name}={value!r} must be a non-negative integer (rank >= 1)")
+        check_number("bucket_mb", self.bucket_mb, minimum=0, exclusive=True)
+        check_number("powersgd_rank", self.powersgd_rank, integer=True, minimum=1)
+        check_number("warmup_steps", self.warmup_steps, integer=True, minimum=0)
+        for name in ("sync_bn", "sparse_embeddings", "find_unused_parameters"):
+            check_bool(name, getattr(self, name))

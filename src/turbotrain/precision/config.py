@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import ConfigError, check_positive
+from ..errors import ConfigError, check_number
 
 __all__ = ["LossScaleConfig", "PRECISIONS"]
 
@@ -34,18 +34,15 @@ class LossScaleConfig:
     """Consecutive overflows at ``min_scale`` before LossScaleError is raised."""
 
     def __post_init__(self):
-        for name in ("init_scale", "min_scale", "max_scale", "growth_factor"):
-            check_positive(name, getattr(self, name))
+        # Every field's type and range first, so the bounds check below compares numbers only.
+        for name in ("init_scale", "min_scale", "max_scale"):
+            check_number(name, getattr(self, name), minimum=0, exclusive=True)
+        check_number("growth_factor", self.growth_factor, minimum=1, exclusive=True)
+        check_number("backoff_factor", self.backoff_factor, minimum=0, maximum=1, exclusive=True)
+        for name in ("growth_interval", "hysteresis", "max_floor_overflows"):
+            check_number(name, getattr(self, name), integer=True, minimum=1)
         if not (self.min_scale <= self.init_scale <= self.max_scale):
             raise ConfigError(
                 f"loss scale bounds must satisfy min_scale <= init_scale <= max_scale; got "
                 f"{self.min_scale} <= {self.init_scale} <= {self.max_scale}"
             )
-        if self.growth_factor <= 1.0:
-            raise ConfigError(f"growth_factor={self.growth_factor} must be > 1")
-        if not (0.0 < self.backoff_factor < 1.0):
-            raise ConfigError(f"backoff_factor={self.backoff_factor} must be in (0, 1)")
-        for name in ("growth_interval", "hysteresis", "max_floor_overflows"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"{name}={value!r} must be an integer >= 1")
