@@ -2,7 +2,9 @@
 
 NCCL reads its tuning from environment variables once, at communicator creation, and silently
 ignores values it does not understand. So the presets and any user override are checked here,
+against the NCCL release torch was built with (the algorithms and the syntax differ by release),
 and what was applied is printed, so a run log always says which transport settings it used.
+Setting them in a process whose NCCL communicators may already exist warns: that is too late.
 
 >>> env = preset_env("ethernet")
 >>> env["NCCL_IB_DISABLE"], int(env["NCCL_NSOCKS_PERTHREAD"]) * int(env["NCCL_SOCKET_NTHREADS"]) <= 64
@@ -12,11 +14,13 @@ and what was applied is printed, so a run log always says which transport settin
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Mapping, MutableMapping
 
 from ..errors import ConfigError
 
-__all__ = ["PRESETS", "NCCL_DEFAULTS", "preset_env", "validate_nccl_env", "apply_preset", "format_env"]
+__all__ = ["PRESETS", "NCCL_DEFAULTS", "preset_env", "validate_nccl_env", "apply_preset", "format_env",
+           "installed_nccl_version"]
 
 #: NCCL's own defaults (NCCL 2.x docs), printed next to what a preset changes.
 NCCL_DEFAULTS = {
@@ -47,7 +51,26 @@ PRESETS: dict[str, dict[str, str]] = {
     },
 }
 
-_ALGOS = ("Ring", "Tree", "CollnetDirect", "CollnetChain", "NVLS", "NVLSTree", "PAT")
+#: NCCL_ALGO names -> (first release, first release without it), from ncclAlgoStr in NCCL's
+#: src/init.cc across its tags; 2.5 is the oldest release checked. 2.14 split CollNet into
+#: CollNetDirect and CollNetChain.
+_ALGOS = {
+    "Ring": ((2, 5), None),
+    "Tree": ((2, 5), None),
+    "CollNet": ((2, 6), (2, 14)),
+    "CollNetDirect": ((2, 14), None),
+    "CollNetChain": ((2, 14), None),
+    "NVLS": ((2, 17), None),
+    "NVLSTree": ((2, 18), None),
+    "PAT": ((2, 23), None),
+}
+_PROTOS = {"LL": ((2, 5), None), "LL128": ((2, 5), None), "Simple": ((2, 5), None)}
+#: Since 2.24 NCCL_ALGO and NCCL_PROTO take "list;collective:list;...". Older releases split on
+#: commas only and skip names they do not know, so "allreduce:tree" there enables no algorithm.
+_PER_COLLECTIVE_SINCE = (2, 24)
+_COLLECTIVES = ("Broadcast", "Reduce", "AllGather", "ReduceScatter", "AllReduce")
+#: Where the NCCL release is unknown (a torch without NCCL): the newest this table knows.
+_NEWEST = (2, 30)
 _GDR_LEVELS = ("LOC", "PIX", "PXB", "PHB", "SYS", "NVL")
 _MAX_SOCKETS = 64  # NCCL refuses NSOCKS_PERTHREAD * SOCKET_NTHREADS above this
 
@@ -63,20 +86,70 @@ def _int_in(name: str, value: str, low: int, high: int | None = None) -> int:
     return number
 
 
-def _check_algo(value: str) -> None:
-    # NCCL_ALGO takes a comma list, optionally negated with '^' ("^Tree" = anything but Tree).
-    body = value[1:] if value.startswith("^") else value
-    for algo in (a.strip() for a in body.split(",")):
-        if ":" in algo:  # per-collective form "allreduce:tree"
-            algo = algo.split(":", 1)[1]
-        if algo.lower() not in {a.lower() for a in _ALGOS}:
-            raise ConfigError(f"NCCL_ALGO={value!r}: {algo!r} is not an NCCL algorithm; choose from {', '.join(_ALGOS)}")
+def installed_nccl_version() -> tuple[int, ...] | None:
+    """The NCCL release torch was built with, e.g. (2, 21, 5); None for a torch without NCCL."""
+    try:
+        import torch.cuda.nccl
+
+        version = torch.cuda.nccl.version()
+    except (ImportError, AttributeError, RuntimeError):  # CPU builds have no _nccl_version
+        return None
+    return tuple(version) if isinstance(version, tuple) else None
 
 
-def validate_nccl_env(env: Mapping[str, str]) -> None:
-    """Raise ConfigError, naming the variable and valid values, for any bad NCCL_* setting in ``env``."""
-    if "NCCL_ALGO" in env:
-        _check_algo(env["NCCL_ALGO"])
+def _release(version) -> str:
+    return ".".join(map(str, version)) if version else f"unknown (checked as {'.'.join(map(str, _NEWEST))})"
+
+
+def _check_name(var: str, value: str, name: str, table: dict, kind: str, version) -> None:
+    """ConfigError unless ``name`` (compared as NCCL does: whole, case-insensitive) exists in ``version``."""
+    have = version or _NEWEST
+    valid = [k for k, (since, gone) in table.items() if since <= have and (gone is None or have < gone)]
+    match = next((k for k in table if k.lower() == name.lower()), None)
+    if match in valid:
+        return
+    listed = ", ".join(valid)
+    if match is None:
+        hint = " (NCCL does not strip spaces)" if name != name.strip() else ""
+        raise ConfigError(f"{var}={value!r}: {name!r} is not an NCCL {kind}{hint}; choose from {listed}")
+    since, gone = table[match]
+    when = f"NCCL >= {'.'.join(map(str, since))}" if have < since else f"NCCL < {'.'.join(map(str, gone))}"
+    raise ConfigError(f"{var}={value!r}: {match} needs {when}, and this torch has NCCL {_release(version)}; "
+                      f"choose from {listed}")
+
+
+def _check_tuning_list(var: str, value: str, table: dict, kind: str, version) -> None:
+    """NCCL_ALGO / NCCL_PROTO: 'a,b', '^a' (all but a) and, from 2.24, 'a,b;allreduce:^c;...'."""
+    entries = value.split(";")
+    if (len(entries) > 1 or ":" in value) and (version or _NEWEST) < _PER_COLLECTIVE_SINCE:
+        raise ConfigError(
+            f"{var}={value!r}: per-collective lists ('collective:list;...') need NCCL >= 2.24, and this torch "
+            f"has NCCL {_release(version)}, which would read it as unknown names; give one list for all "
+            "collectives (e.g. 'Ring,Tree' or '^Tree')"
+        )
+    for position, entry in enumerate(entries):
+        if entry.count(":") > 1:
+            raise ConfigError(f"{var}={value!r}: {entry!r} has more than one ':'; write 'collective:list'")
+        collective, _, names = entry.rpartition(":")
+        if collective and collective.lower() not in {c.lower() for c in _COLLECTIVES}:
+            raise ConfigError(f"{var}={value!r}: {collective!r} is not a collective; "
+                              f"choose from {', '.join(_COLLECTIVES)}")
+        if not collective and position > 0:
+            raise ConfigError(f"{var}={value!r}: only the first entry may leave out its 'collective:' prefix")
+        for name in names.removeprefix("^").split(","):
+            _check_name(var, value, name, table, kind, version)
+
+
+def validate_nccl_env(env: Mapping[str, str], nccl_version: tuple[int, ...] | None = None) -> None:
+    """Raise ConfigError, naming the variable and valid values, for any bad NCCL_* setting in ``env``.
+
+    Names and syntax are those of ``nccl_version`` (default: installed_nccl_version(), or the newest
+    release known here where torch has no NCCL).
+    """
+    version = nccl_version or installed_nccl_version()
+    for var, table, kind in (("NCCL_ALGO", _ALGOS, "algorithm"), ("NCCL_PROTO", _PROTOS, "protocol")):
+        if env.get(var):  # set but empty: NCCL ignores it
+            _check_tuning_list(var, env[var], table, kind, version)
     if "NCCL_BUFFSIZE" in env:
         # Below 64 KiB NCCL's pipeline stalls; the default is 4 MiB (4194304).
         _int_in("NCCL_BUFFSIZE", env["NCCL_BUFFSIZE"], 65536)
@@ -104,12 +177,33 @@ def preset_env(name: str) -> dict[str, str]:
     return dict(PRESETS[name])
 
 
+_LATE_WARNED = [False]
+
+
+def _warn_if_too_late(environ: MutableMapping[str, str]) -> None:
+    """Warn (once per process) when this process's own NCCL may already have read its environment."""
+    if environ is not os.environ or _LATE_WARNED[0]:
+        return  # a child's environment (turbotrain launch) is always in time
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        _LATE_WARNED[0] = True
+        warnings.warn(
+            "NCCL settings were applied after torch.distributed was initialised; NCCL reads NCCL_* when it "
+            "creates a communicator (and caches some for the whole process), so they may be ignored here. "
+            "Apply the preset before init_process_group, or start the job with turbotrain launch --nccl-preset.",
+            RuntimeWarning, stacklevel=3,
+        )
+
+
 def apply_preset(name: str, overrides: Mapping[str, str] | None = None,
-                 environ: MutableMapping[str, str] | None = None) -> dict[str, tuple[str, str]]:
+                 environ: MutableMapping[str, str] | None = None,
+                 nccl_version: tuple[int, ...] | None = None) -> dict[str, tuple[str, str]]:
     """Set preset ``name`` plus ``overrides`` in ``environ`` (os.environ by default); validate all of it.
 
     Variables the user already exported win over the preset (an explicit choice beats a named
     default); ``overrides`` win over both. Returns {variable: (value, source)} for printing.
+    Applied to os.environ once torch.distributed is initialised, it warns once: too late for NCCL.
     """
     environ = os.environ if environ is None else environ
     chosen: dict[str, tuple[str, str]] = {}
@@ -124,7 +218,9 @@ def apply_preset(name: str, overrides: Mapping[str, str] | None = None,
         chosen[key] = (str(value), "override")
     merged = {k: v for k, v in environ.items() if k.startswith("NCCL_")}
     merged.update({k: v for k, (v, _) in chosen.items()})
-    validate_nccl_env(merged)
+    validate_nccl_env(merged, nccl_version)
+    if chosen:
+        _warn_if_too_late(environ)
     for key, (value, _) in chosen.items():
         environ[key] = value
     return chosen

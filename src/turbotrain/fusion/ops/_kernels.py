@@ -1,8 +1,9 @@
 """Where the elementwise epilogues of the fused ops get their kernels.
 
 On CPU the epilogues are plain PyTorch functions run through ``torch.compile`` (Inductor writes one
-C++/OpenMP loop for what eager PyTorch runs as several passes over memory). On CUDA the ops call the
-hand-written Triton kernels in ``_triton_kernels`` instead, imported only there.
+C++/OpenMP loop for what eager PyTorch runs as several passes over memory). On CUDA, layernorm_act,
+swiglu and linear_cross_entropy call the hand-written Triton kernels in ``_triton_kernels`` instead,
+imported only there; the other ops' epilogues are compiled on CUDA too (Inductor writes Triton).
 
 Setting ``TURBOTRAIN_FUSION_KERNELS=eager`` runs the same epilogue functions without compiling them
 (for debugging, or a machine without a C++ compiler). That choice is explicit: a compile that fails

@@ -3,9 +3,14 @@
 Each wrapper takes and returns the same tensors as the compiled CPU epilogue it replaces, so the
 ops' autograd code is shared. Under ``TRITON_INTERPRET=1`` the kernels also run on CPU tensors, which
 is how tests/test_fusion_triton.py checks them on a machine without a GPU.
+
+Every launch runs under ``_on(tensor)``: Triton launches on the *current* CUDA device, which need
+not be the one the tensors live on (a model on cuda:1 in a process whose current device is 0).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 try:
     import triton
@@ -19,6 +24,8 @@ except ImportError as exc:  # pragma: no cover - only reached on CUDA without tr
     ) from exc
 
 import torch
+
+from ...errors import FusionError
 
 __all__ = ["layernorm_act_forward", "layernorm_act_backward", "swiglu_forward", "swiglu_backward",
            "cross_entropy_chunk"]
@@ -116,6 +123,31 @@ def _act_id(act: str) -> int:
     return _ACT_IDS[act]
 
 
+def _on(t: torch.Tensor):
+    """Make ``t``'s GPU the current device for a launch (nothing to do for the interpreter on CPU)."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+_MAX_ROW_BLOCK = 65536  # one program holds a whole row; wider rows would not fit its registers
+
+
+def _row_block(n: int) -> tuple[int, int]:
+    """(BLOCK, num_warps) for a kernel whose program holds ``n`` values of one row.
+
+    Triton's default of 4 warps gives each thread BLOCK/128 values to keep in registers; past ~16
+    per thread they spill. So the warps grow with the block: 2048 -> 8, 8192 -> 16, 32768 -> 32
+    (the most a block can have), keeping ~8-16 values per thread.
+    """
+    block = triton.next_power_of_2(n)
+    if block > _MAX_ROW_BLOCK:
+        raise FusionError(
+            f"rows of {n} features are wider than the Triton kernels' {_MAX_ROW_BLOCK}; set "
+            "TURBOTRAIN_FUSION_KERNELS=eager or do not fuse this layer"
+        )
+    warps = 32 if block >= 32768 else 16 if block >= 8192 else 8 if block >= 2048 else 4
+    return block, warps
+
+
 def layernorm_act_forward(x, weight, bias, eps, act):
     m, n = x.shape
     x = x.contiguous()
@@ -123,9 +155,11 @@ def layernorm_act_forward(x, weight, bias, eps, act):
     mean = torch.empty(m, dtype=torch.float32, device=x.device)
     rstd = torch.empty_like(mean)
     dummy = x  # stands in for an absent weight/bias; the kernel never reads it
-    _ln_act_fwd[(m,)](x, weight if weight is not None else dummy, bias if bias is not None else dummy,
-                      y, mean, rstd, n, eps, HAS_W=weight is not None, HAS_B=bias is not None,
-                      ACT=_act_id(act), BLOCK_N=triton.next_power_of_2(n))
+    block, warps = _row_block(n)
+    with _on(x):
+        _ln_act_fwd[(m,)](x, weight if weight is not None else dummy, bias if bias is not None else dummy,
+                          y, mean, rstd, n, eps, HAS_W=weight is not None, HAS_B=bias is not None,
+                          ACT=_act_id(act), BLOCK_N=block, num_warps=warps)
     return y, mean, rstd
 
 
@@ -134,15 +168,20 @@ def layernorm_act_backward(grad, x, weight, bias, mean, rstd, act):
     # A few hundred programs each own a stripe of rows and keep their dw/db partials in registers.
     programs = max(1, min(m, 4 * _sm_count(x.device)))
     rows_per_prog = triton.cdiv(m, programs)
+    # The kernel reads and writes row-major; empty_like of a transposed x would keep its strides
+    # and the row-major dx written into it would be read back in the wrong order.
+    x = x.contiguous()
     dx = torch.empty_like(x)
     dw_partial = torch.empty((programs, n), dtype=torch.float32, device=x.device)
     db_partial = torch.empty_like(dw_partial)
     dummy = x
-    _ln_act_bwd[(programs,)](grad.contiguous(), x.contiguous(),
-                             weight if weight is not None else dummy, bias if bias is not None else dummy,
-                             mean, rstd, dx, dw_partial, db_partial, m, n, rows_per_prog,
-                             HAS_W=weight is not None, HAS_B=bias is not None, ACT=_act_id(act),
-                             BLOCK_N=triton.next_power_of_2(n))
+    block, warps = _row_block(n)
+    with _on(x):
+        _ln_act_bwd[(programs,)](grad.contiguous(), x,
+                                 weight if weight is not None else dummy, bias if bias is not None else dummy,
+                                 mean, rstd, dx, dw_partial, db_partial, m, n, rows_per_prog,
+                                 HAS_W=weight is not None, HAS_B=bias is not None, ACT=_act_id(act),
+                                 BLOCK_N=block, num_warps=warps)
     return dx, dw_partial.sum(0), db_partial.sum(0)
 
 
@@ -182,22 +221,25 @@ def swiglu_forward(gate_up):
     h = gate_up.shape[-1] // 2
     out = gate_up.new_empty((*gate_up.shape[:-1], h))
     total = out.numel()
-    _swiglu_fwd[(triton.cdiv(total, _ELEMENTWISE_BLOCK),)](gate_up.contiguous(), out, total, h,
-                                                          BLOCK=_ELEMENTWISE_BLOCK)
+    with _on(gate_up):
+        _swiglu_fwd[(triton.cdiv(total, _ELEMENTWISE_BLOCK),)](gate_up.contiguous(), out, total, h,
+                                                              BLOCK=_ELEMENTWISE_BLOCK)
     return out
 
 
 def swiglu_backward(grad, gate_up):
     h = gate_up.shape[-1] // 2
-    dgu = torch.empty_like(gate_up)
+    gate_up = gate_up.contiguous()
+    dgu = torch.empty_like(gate_up)  # contiguous, as the kernel writes it
     total = grad.numel()
-    _swiglu_bwd[(triton.cdiv(total, _ELEMENTWISE_BLOCK),)](grad.contiguous(), gate_up.contiguous(), dgu,
-                                                          total, h, BLOCK=_ELEMENTWISE_BLOCK)
+    with _on(gate_up):
+        _swiglu_bwd[(triton.cdiv(total, _ELEMENTWISE_BLOCK),)](grad.contiguous(), gate_up, dgu,
+                                                              total, h, BLOCK=_ELEMENTWISE_BLOCK)
     return dgu
 
 
 @triton.jit
-def _ce_chunk_kernel(Logits, Targets, Grad, Loss, Scale, V, ignore_index, BLOCK_V: tl.constexpr):
+def _ce_chunk_kernel(Logits, Targets, Grad, Loss, Lse, V, ignore_index, BLOCK_V: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = Logits + row * V
     target = tl.load(Targets + row)
@@ -212,26 +254,60 @@ def _ce_chunk_kernel(Logits, Targets, Grad, Loss, Scale, V, ignore_index, BLOCK_
         m = m_new
     lse = m + tl.log(s)
     valid = target != ignore_index
-    safe_target = tl.where(valid, target, 0)
-    row_scale = tl.where(valid, tl.load(Scale), 0.0)
+    # The wrapper's caller has checked the targets; the mask only keeps a bad one from reading
+    # outside the row.
+    safe_target = tl.where(valid & (target >= 0) & (target < V), target, 0)
+    keep = tl.where(valid, 1.0, 0.0)
     target_logit = tl.load(base + safe_target).to(tl.float32)
     tl.store(Loss + row, tl.where(valid, lse - target_logit, 0.0))
-    # Pass 2: the softmax gradient, already scaled by 1/n_valid.
+    tl.store(Lse + row, lse)
+    # Pass 2: softmax - onehot, O(1) values; the caller scales by 1/n_valid in FP32.
     for off in range(0, V, BLOCK_V):
         cols = off + tl.arange(0, BLOCK_V)
         mask = cols < V
         x = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
-        g = (tl.exp(x - lse) - tl.where(cols == safe_target, 1.0, 0.0)) * row_scale
+        g = (tl.exp(x - lse) - tl.where(cols == safe_target, 1.0, 0.0)) * keep
         tl.store(Grad + row * V + cols, g.to(Grad.dtype.element_ty), mask=mask)
 
 
-def cross_entropy_chunk(logits, targets, ignore_index, scale, with_bias):
+@triton.jit
+def _ce_bias_grad_kernel(Logits, Lse, Targets, GradBias, R, V, ignore_index, BLOCK_R: tl.constexpr,
+                         BLOCK_V: tl.constexpr):
+    # Column sums of softmax - onehot, recomputed in FP32 from the logits: summing the stored
+    # gradient instead would add up values already rounded to bf16/fp16.
+    cols = tl.program_id(0).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
+    col_ok = cols < V
+    acc = tl.zeros([BLOCK_V], tl.float32)
+    for r0 in range(0, R, BLOCK_R):
+        rows = r0 + tl.arange(0, BLOCK_R).to(tl.int64)
+        target = tl.load(Targets + rows, mask=rows < R, other=ignore_index)
+        lse = tl.load(Lse + rows, mask=rows < R, other=0.0)
+        ok = ((rows < R) & (target != ignore_index))[:, None] & col_ok[None, :]
+        x = tl.load(Logits + rows[:, None] * V + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        g = tl.exp(x - lse[:, None]) - tl.where(cols[None, :] == target[:, None], 1.0, 0.0)
+        acc += tl.sum(tl.where(ok, g, 0.0), axis=0)
+    tl.store(GradBias + cols, acc, mask=col_ok)
+
+
+_CE_BLOCK_V = 4096  # vocab values per step of the online softmax; larger vocabularies loop
+_BIAS_BLOCK = (16, 128)  # rows x columns of one step of the bias-grad column sums
+
+
+def cross_entropy_chunk(logits, targets, ignore_index, with_bias):
     rows, vocab = logits.shape
-    logits = logits.contiguous()
+    logits, targets = logits.contiguous(), targets.contiguous()
     grad = torch.empty_like(logits)
     loss = torch.empty(rows, dtype=torch.float32, device=logits.device)
-    scale = scale.reshape(1).to(torch.float32)
-    _ce_chunk_kernel[(rows,)](logits, targets.contiguous(), grad, loss, scale, vocab, ignore_index,
-                              BLOCK_V=min(4096, triton.next_power_of_2(vocab)))
-    grad_bias = grad.float().sum(0) if with_bias else grad.new_zeros(0, dtype=torch.float32)
+    lse = torch.empty_like(loss)
+    block, warps = _row_block(min(_CE_BLOCK_V, vocab))
+    with _on(logits):
+        _ce_chunk_kernel[(rows,)](logits, targets, grad, loss, lse, vocab, ignore_index,
+                                  BLOCK_V=block, num_warps=warps)
+        if with_bias:
+            grad_bias = torch.empty(vocab, dtype=torch.float32, device=logits.device)
+            block_r, block_v = _BIAS_BLOCK
+            _ce_bias_grad_kernel[(triton.cdiv(vocab, block_v),)](logits, lse, targets, grad_bias, rows, vocab,
+                                                                 ignore_index, BLOCK_R=block_r, BLOCK_V=block_v)
+        else:
+            grad_bias = grad.new_zeros(0, dtype=torch.float32)
     return loss.sum(), grad, grad_bias

@@ -6,6 +6,14 @@ compiled kernel, and the gradients wrt the hidden states and the weight are accu
 there, in the forward. The backward only scales the stored gradients by the incoming grad. Peak
 memory is one chunk of logits instead of (tokens x vocab) FP32 logits plus their softmax and grad.
 
+Why the stored gradients are FP32: under fp16 the incoming grad is the loss scale (2**16 by
+default, which is inf in fp16), and the whole point of that scale is to lift gradients like
+softmax/n_valid out of fp16's underflow range. So the low-precision chunk gradient is never
+divided by n_valid (it stays O(1)); each GEMM output is upcast, scaled by 1/n_valid in FP32 and
+kept in FP32; the backward multiplies by the incoming grad in FP32 and rounds once, to the input
+dtypes. The price: the hidden-state grad (tokens x dim) and the weight grad (vocab x dim, already
+accumulated in FP32) are held in FP32 rather than the compute dtype until the backward.
+
 Targets equal to ``ignore_index`` (-100, the padding convention of workloads.base) add neither
 loss nor gradient, and the mean is over the other targets, exactly as F.cross_entropy does.
 """
@@ -26,20 +34,33 @@ from ._kernels import epilogue, use_triton
 __all__ = ["linear_cross_entropy", "linear_cross_entropy_reference", "default_chunk_rows"]
 
 
-def default_chunk_rows(rows: int, vocab: int, dim: int) -> int:
-    """Rows per chunk so one chunk of logits holds about 4M values (16 MB in FP32).
+def default_chunk_rows(rows: int, vocab: int, dim: int, device: str = "cpu") -> int:
+    """Rows per chunk: about 4M logits per chunk on CPU, about 128M (with >= 1024 rows) on CUDA.
 
-    Smaller chunks save little more memory but make the weight-grad GEMMs thin (their inner
-    dimension is the chunk) and re-read the FP32 weight-grad accumulator once per chunk; on the
-    CPU here 128-row chunks ran ~2x slower than 512-row ones at vocab 8192. A power of two keeps
-    GEMM shapes friendly, and at least 32 rows.
+    CPU (measured): smaller chunks save little more memory but make the weight-grad GEMMs thin
+    (their inner dimension is the chunk) and re-read the FP32 weight-grad accumulator once per
+    chunk; on the CPU here 128-row chunks ran ~2x slower than 512-row ones at vocab 8192.
+
+    CUDA (reasoned, not yet measured; scripts/gpu-check.sh runs the op so it can be): each chunk
+    reads and writes the (vocab x dim) FP32 weight-grad accumulator plus the chunk's
+    low-precision GEMM output, ~12 bytes per weight, against 2 * chunk FLOPs per weight of GEMM.
+    A GPU that does ~300 FLOPs per byte of HBM traffic (H100/H200 bf16) needs chunk >= ~1800 rows
+    for that GEMM to stay compute-bound, hence a 1024-row floor and a 128M-logit target
+    (vocab 50k: 2048 rows, 400 MB of bf16 logits and grad). Powers of two keep GEMM shapes friendly.
     """
-    target = max(32, (1 << 22) // max(1, vocab))
+    if device == "cuda":
+        target = max(1024, (1 << 27) // max(1, vocab))
+    else:
+        target = max(32, (1 << 22) // max(1, vocab))
     return min(1 << (target.bit_length() - 1), max(32, rows))
 
 
 @epilogue
-def _ce_chunk(logits: Tensor, targets: Tensor, ignore_index: int, scale: Tensor, with_bias: bool):
+def _ce_chunk(logits: Tensor, targets: Tensor, ignore_index: int, with_bias: bool):
+    """(summed loss, softmax - onehot in the logits dtype, its FP32 column sums); ignored rows are 0.
+
+    Not divided by n_valid: that scale is applied in FP32 by the caller (see the module docstring).
+    """
     lf = logits.float()
     lse = torch.logsumexp(lf, dim=-1)
     valid = targets != ignore_index
@@ -47,18 +68,34 @@ def _ce_chunk(logits: Tensor, targets: Tensor, ignore_index: int, scale: Tensor,
     target_logit = lf.gather(-1, safe.unsqueeze(-1)).squeeze(-1)
     loss_sum = torch.where(valid, lse - target_logit, 0.0).sum()
     onehot = torch.arange(lf.shape[-1], device=lf.device).unsqueeze(0) == safe.unsqueeze(-1)
-    row_scale = torch.where(valid, scale, 0.0).unsqueeze(-1)
-    grad = (torch.exp(lf - lse.unsqueeze(-1)) - onehot.float()) * row_scale
+    grad = (torch.exp(lf - lse.unsqueeze(-1)) - onehot.float()) * valid.unsqueeze(-1)
     grad_bias = grad.sum(0) if with_bias else grad.new_zeros(0)
     return loss_sum, grad.to(logits.dtype), grad_bias
 
 
-def _chunk_loss_and_grad(logits, targets, ignore_index, scale, with_bias):
+def _chunk_loss_and_grad(logits, targets, ignore_index, with_bias):
     if use_triton(logits):
         from . import _triton_kernels
 
-        return _triton_kernels.cross_entropy_chunk(logits, targets, ignore_index, scale, with_bias)
-    return _ce_chunk(logits, targets, ignore_index, scale, with_bias)
+        return _triton_kernels.cross_entropy_chunk(logits, targets, ignore_index, with_bias)
+    return _ce_chunk(logits, targets, ignore_index, with_bias)
+
+
+def _check_targets(targets: Tensor, vocab: int, ignore_index: int) -> None:
+    """FusionError naming the first target outside [0, vocab) that is not ``ignore_index``.
+
+    The kernels do not report a bad target: the Triton one masks the read and would give a wrong
+    loss silently; on CPU the compiled gather fails with an index error that surfaces as a compile
+    failure. This check costs one host sync per call on CUDA, the price of an error that names the
+    value instead of a silently wrong loss.
+    """
+    bad = ((targets < 0) | (targets >= vocab)) & (targets != ignore_index)
+    if bool(bad.any()):
+        value = int(targets[bad][0])
+        raise FusionError(
+            f"target {value} is outside the vocabulary [0, {vocab}) and is not ignore_index={ignore_index}; "
+            "fix the labels (padding must use ignore_index)"
+        )
 
 
 @torch.library.custom_op("turbotrain::linear_cross_entropy", mutates_args=())
@@ -66,20 +103,27 @@ def _lce(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor
          chunk_rows: int, need_h: bool, need_w: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     h2 = hidden.reshape(-1, hidden.shape[-1])
     t = targets.reshape(-1)
+    _check_targets(t, weight.shape[0], ignore_index)
     # 1/n_valid stays a tensor: no host sync; with every target ignored it is inf and the loss NaN,
     # as F.cross_entropy gives.
     scale = 1.0 / (t != ignore_index).sum().float()
-    loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
-    grad_h = torch.empty_like(h2) if need_h else h2.new_empty(0)
-    grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-    grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if bias is not None else None
+    f32 = dict(dtype=torch.float32, device=hidden.device)
+    loss_sum = torch.zeros((), **f32)
+    grad_h = torch.empty(h2.shape, **f32) if need_h else h2.new_empty(0, dtype=torch.float32)
+    grad_w = torch.zeros(weight.shape, **f32) if need_w else None
+    grad_b = torch.zeros(weight.shape[0], **f32) if bias is not None else None
     for start in range(0, h2.shape[0], chunk_rows):
         hc, tc = h2[start:start + chunk_rows], t[start:start + chunk_rows]
         logits = torch.addmm(bias, hc, weight.t()) if bias is not None else torch.mm(hc, weight.t())
-        loss_c, grad_logits, grad_bias_c = _chunk_loss_and_grad(logits, tc, ignore_index, scale, bias is not None)
+        loss_c, grad_logits, grad_bias_c = _chunk_loss_and_grad(logits, tc, ignore_index, bias is not None)
         loss_sum += loss_c
-        if need_h:
-            torch.mm(grad_logits, weight, out=grad_h[start:start + chunk_rows])
+        if need_h:  # a GEMM of O(1) values in the compute dtype; 1/n_valid applied in FP32
+            rows_h = grad_h[start:start + chunk_rows]
+            if grad_logits.dtype == torch.float32:
+                torch.mm(grad_logits, weight, out=rows_h)
+            else:
+                rows_h.copy_(torch.mm(grad_logits, weight))
+            rows_h.mul_(scale)
         if need_w:
             if grad_w.dtype == grad_logits.dtype:
                 grad_w.addmm_(grad_logits.t(), hc)
@@ -87,35 +131,36 @@ def _lce(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor
                 grad_w += torch.mm(grad_logits.t(), hc)
         if grad_b is not None:
             grad_b += grad_bias_c
-    grad_w = grad_w.to(weight.dtype) if need_w else weight.new_empty(0)
-    grad_b = grad_b.to(bias.dtype) if bias is not None else weight.new_empty(0)
+    grad_w = grad_w.mul_(scale) if need_w else weight.new_empty(0, dtype=torch.float32)
+    grad_b = grad_b.mul_(scale) if bias is not None else weight.new_empty(0, dtype=torch.float32)
     return loss_sum * scale, grad_h.view(hidden.shape) if need_h else grad_h, grad_w, grad_b
 
 
 @_lce.register_fake
 def _(hidden, weight, bias, targets, ignore_index, chunk_rows, need_h, need_w):
-    loss = hidden.new_empty((), dtype=torch.float32)
-    grad_h = torch.empty_like(hidden) if need_h else hidden.new_empty(0)
-    grad_w = torch.empty_like(weight) if need_w else weight.new_empty(0)
-    grad_b = torch.empty_like(bias) if bias is not None else weight.new_empty(0)
+    f32 = torch.float32  # the saved gradients are FP32 whatever the inputs (module docstring)
+    loss = hidden.new_empty((), dtype=f32)
+    grad_h = torch.empty_like(hidden, dtype=f32) if need_h else hidden.new_empty(0, dtype=f32)
+    grad_w = torch.empty_like(weight, dtype=f32) if need_w else weight.new_empty(0, dtype=f32)
+    grad_b = torch.empty_like(bias, dtype=f32) if bias is not None else weight.new_empty(0, dtype=f32)
     return loss, grad_h, grad_w, grad_b
 
 
 def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(*output[1:])
-    ctx.has_bias = inputs[2] is not None
+    hidden, weight, bias = inputs[:3]
+    ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)
     ctx.need_h, ctx.need_w = inputs[6], inputs[7]
 
 
 def _autograd_backward(ctx, grad_loss, *unused):
-    grad_h, grad_w, grad_b = ctx.saved_tensors
-    scale = lambda g: g * grad_loss.to(g.dtype)  # noqa: E731 - the backward is only this scaling
-    return (
-        scale(grad_h) if ctx.need_h else None,
-        scale(grad_w) if ctx.need_w else None,
-        scale(grad_b) if ctx.has_bias else None,
-        None, None, None, None, None,
-    )
+    saved = ctx.saved_tensors
+    needed = (ctx.need_h, ctx.need_w, ctx.dtypes[2] is not None)
+    # FP32 product, one rounding: grad_loss may be a loss scale that fp16 cannot hold (2**16 is inf).
+    grad_loss = grad_loss.float()
+    grads = tuple((g * grad_loss).to(dtype) if need else None
+                  for g, dtype, need in zip(saved, ctx.dtypes, needed))
+    return (*grads, None, None, None, None, None)
 
 
 _lce.register_autograd(_autograd_backward, setup_context=_setup_context)
@@ -144,7 +189,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
     if targets.dtype not in (torch.int64, torch.int32):
         raise FusionError(f"targets must be integer class indices, got {targets.dtype}")
     rows = targets.numel()
-    chunk = chunk_rows or default_chunk_rows(rows, weight.shape[0], weight.shape[1])
+    chunk = chunk_rows or default_chunk_rows(rows, weight.shape[0], weight.shape[1], hidden.device.type)
     grad_on = torch.is_grad_enabled()
     need_h = grad_on and hidden.requires_grad
     need_w = grad_on and weight.requires_grad
