@@ -153,14 +153,19 @@ def test_bf16_mixed_runs_softmax_and_layernorm_in_fp32():
     seen = {}
 
     class Probe(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(8, 4))
+
         def forward(self, x):
-            h = nn.functional.linear(x, torch.ones(8, x.shape[-1]))
+            h = nn.functional.linear(x, self.w)
             seen["matmul"] = h.dtype
             s = torch.softmax(h, dim=-1)
             seen["softmax_out"] = s.dtype
             return s
 
-    engine = Engine(Probe(), torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1),
+    probe = Probe()
+    engine = Engine(probe, torch.optim.SGD(probe.parameters(), lr=0.1),
                     lambda out, t: out.float().sum(), config=Config(device="cpu", precision="bf16-mixed"))
     from turbotrain.precision.keep_fp32 import KeepFp32Mode
 
@@ -175,10 +180,10 @@ def test_bf16_mixed_runs_softmax_and_layernorm_in_fp32():
     assert torch.equal(kept, ref)
 
 
-def test_auto_precision_prints_its_choice(capsys):
-    engine = make_engine(Config(device="cpu", precision="auto"))
-    out = capsys.readouterr().out
-    assert "precision='auto' chose" in out and engine.precision.mode in out
+def test_auto_precision_logs_its_choice(caplog):
+    with caplog.at_level("INFO", logger="turbotrain"):
+        engine = make_engine(Config(device="cpu", precision="auto"))
+    assert "precision='auto' chose" in caplog.text and engine.precision.mode in caplog.text
 
 
 def test_checkpoint_resume_is_bitwise_identical(tmp_path):
@@ -247,7 +252,7 @@ def test_bad_arguments():
         Engine(model, "adam", F.cross_entropy)
     engine = make_engine(Config(device="cpu"))
     with pytest.raises(ConfigError, match="inputs, targets"):
-        engine.step(torch.randn(3, 16))
+        engine.step((torch.randn(3, 16), torch.zeros(3), torch.zeros(3)))
     if not torch.cuda.is_available():
         with pytest.raises(HardwareError, match="no CUDA device"):
             make_engine(Config(device="cuda"))

@@ -6,15 +6,22 @@ import pytest
 import torch
 from torch import nn
 
+from turbotrain.batch import Batch, pad_to_bucket
 from turbotrain.errors import ConfigError
-from turbotrain.fusion import (bucket_length, check_recompile_budget, compile_model, fuse, pad_batch,
-                               recompile_count, recompile_limit)
+from turbotrain.fusion import bucket_length, check_recompile_budget, fuse, recompile_count, recompile_limit
 from turbotrain.fusion import compile as fcompile
 from turbotrain.workloads.base import cross_entropy_loss
 
 
+def pad_batch(batch, buckets, model):
+    padded = pad_to_bucket(Batch((batch[0],), {}, batch[1]), buckets, model)
+    return padded.args[0], padded.targets
+
+
 class CausalLM(nn.Module):
     """Tiny causal model: a running mean over positions only ever looks left."""
+
+    is_causal = True
 
     def __init__(self, vocab=50, dim=16):
         super().__init__()
@@ -41,27 +48,27 @@ def test_pad_batch_keeps_the_mean_loss_of_a_causal_lm():
     model = CausalLM()
     idx, targets = torch.randint(0, 50, (3, 11)), torch.randint(0, 50, (3, 11))
     targets[1, -2:] = -100
-    padded = pad_batch((idx, targets), (8, 16))
+    padded = pad_batch((idx, targets), (8, 16), model)
     assert padded[0].shape == (3, 16) and (padded[0][:, 11:] == 0).all() and (padded[1][:, 11:] == -100).all()
     torch.testing.assert_close(cross_entropy_loss(model(padded[0]), padded[1]),
                                cross_entropy_loss(model(idx), targets))
-    same = pad_batch((idx[:, :8], targets[:, :8]), (8, 16))
+    same = pad_batch((idx[:, :8], targets[:, :8]), (8, 16), model)
     assert same[0].shape == (3, 8)  # already a bucket length: untouched
     labels = torch.zeros(3, dtype=torch.long)
-    assert pad_batch((idx, labels), (16,))[1] is labels  # per-sample labels have no length
+    assert pad_batch((idx, labels), (16,), model)[1] is labels  # per-sample labels have no length
 
 
 def test_buckets_bound_the_number_of_compiles():
     torch._dynamo.reset()
     model = CausalLM()
     fuse(model)  # fused modules compile too, and their own epilogues are not counted as recompiles
-    compiled = compile_model(model)
+    compiled = torch.compile(model)
     buckets = (8, 16)
     before = recompile_count()
     per_compile = None
     for length in (3, 5, 8, 9, 12, 16, 7):
         idx = torch.randint(0, 50, (2, length))
-        idx, targets = pad_batch((idx, idx), buckets)
+        idx, targets = pad_batch((idx, idx), buckets, model)
         cross_entropy_loss(compiled(idx), targets).backward()
         if per_compile is None:  # graph breaks around the fused ops: one compile may be several graphs
             per_compile = recompile_count() - before

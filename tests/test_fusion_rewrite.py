@@ -1,5 +1,6 @@
 """fuse() on user-style models: outputs and grads match unfused, state_dict keeps the stock layout,
-broken sites are rolled back, and the optimizer can be re-pointed."""
+broken sites are rolled back, and the optimizer can be re-pointed. Models whose names are in the
+fallback tables are fused both ways, by names and by data flow, with the same result."""
 
 import copy
 import math
@@ -10,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from turbotrain.errors import ConfigError, FusionError
-from turbotrain.fusion import (FusedLinearAct, FusedLogits, FusionReport, fuse, rebuild_optimizer, sqnr)
+from turbotrain.fusion import FusedLinearAct, FusionReport, fuse, sqnr
 from turbotrain.workloads.base import cross_entropy_loss
 
 VOCAB, DIM, HEADS = 97, 32, 4
@@ -158,13 +159,25 @@ def lm_batch(t=9):
     return idx, targets
 
 
-def fused_and_stock(factory, dtype, patterns=None):
+def mlp_input(dtype=torch.float32):
+    return torch.randn(5, 123, 13, generator=torch.Generator().manual_seed(5)).to(dtype)
+
+
+def example_for(factory):
+    """(args, kwargs) the model is called with, for fuse(example=...)."""
+    return ((mlp_input(),), {}) if factory is user_mlp else ((lm_batch()[0],), {})
+
+
+def fused_and_stock(factory, dtype, patterns=None, by="names"):
     torch.manual_seed(0)
     model = factory()
     stock = copy.deepcopy(model)
     names = dict(model.named_parameters())
     kwargs = {} if patterns is None else {"patterns": patterns}
+    if by == "flow":
+        kwargs["example"] = example_for(factory)
     report = fuse(model, dtype=dtype, **kwargs)
+    assert report.found_by == ("data flow" if by == "flow" else "names")
     model.to(dtype), stock.to(dtype)  # the Engine casts after fusing
     return model, stock, names, report
 
@@ -176,8 +189,8 @@ def grad_of(report, original_param):
     return target.grad
 
 
-def check_model(factory, dtype, loss_of, expect_patterns):
-    model, stock, names, report = fused_and_stock(factory, dtype)
+def check_model(factory, dtype, loss_of, expect_patterns, by="names"):
+    model, stock, names, report = fused_and_stock(factory, dtype, by=by)
     assert not report.rolled_back, str(report)
     assert {s.pattern for s in report.fused} == set(expect_patterns), str(report)
     tol = MODEL_TOLERANCES[dtype]
@@ -195,40 +208,49 @@ def check_model(factory, dtype, loss_of, expect_patterns):
 
 
 DTYPE_IDS = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
+FINDERS = [pytest.param("names", id="by-names"), pytest.param("flow", id="by-flow")]
 
 
+@pytest.mark.parametrize("by", FINDERS)
 @pytest.mark.parametrize("dtype", DTYPE_IDS)
-def test_user_mlp_in_sequential(dtype):
-    x = torch.randn(5, 123, 13, generator=torch.Generator().manual_seed(5)).to(dtype)
+def test_user_mlp_in_sequential(dtype, by):
+    x = mlp_input(dtype)
     model, _, report = check_model(user_mlp, dtype, lambda m: m(x).float().square().mean(),
-                                   {"linear_act", "layernorm_gelu"})
+                                   {"linear_act", "layernorm_gelu"}, by=by)
     assert [s.path for s in report.fused] == ["0", "2", "4"]
     assert isinstance(model[0], FusedLinearAct) and isinstance(model[1], nn.Identity)
 
 
+@pytest.mark.parametrize("by", FINDERS)
 @pytest.mark.parametrize("dtype", DTYPE_IDS)
-def test_hf_style_attention_and_swiglu(dtype):
+def test_hf_style_attention_and_swiglu(dtype, by):
     idx, targets = lm_batch()
     model, _, report = check_model(HFModel, dtype, lambda m: cross_entropy_loss(m(idx), targets),
-                                   {"qkv", "swiglu", "linear_cross_entropy"})
+                                   {"qkv", "swiglu"}, by=by)
     qkv = model.layers[0].self_attn.qkv_fused
     assert qkv.weight.shape == (DIM + 2 * 2 * DIM // HEADS, DIM)  # ONE concatenated parameter
+    assert type(model.lm_head) is nn.Linear  # the head is the Engine's loss path, not fuse()'s
 
 
+@pytest.mark.parametrize("by", FINDERS)
 @pytest.mark.parametrize("dtype", DTYPE_IDS)
-def test_nanogpt_style_block(dtype):
+def test_nanogpt_style_block(dtype, by):
     idx, targets = lm_batch()
     model, _, report = check_model(NanoGPT, dtype, lambda m: cross_entropy_loss(m(idx), targets),
-                                   {"qkv", "linear_act", "linear_cross_entropy"})
+                                   {"qkv", "linear_act"}, by=by)
     assert model.lm_head.weight is model.wte.weight  # tying survived
-    assert isinstance(model(idx), FusedLogits)
-    model.eval()
-    assert isinstance(model(idx), torch.Tensor)  # eval mode gives plain logits for generation
 
 
+def test_linear_cross_entropy_is_accepted_and_left_alone():
+    model = HFModel(layers=1)
+    report = fuse(model, patterns=("linear_cross_entropy",), example=example_for(HFModel))
+    assert not report.fused and not report.rolled_back and type(model.lm_head) is nn.Linear
+
+
+@pytest.mark.parametrize("by", FINDERS)
 @pytest.mark.parametrize("factory", [HFModel, NanoGPT, user_mlp])
-def test_state_dict_keeps_stock_layout_both_ways(factory):
-    model, stock, _, _ = fused_and_stock(factory, torch.float32)
+def test_state_dict_keeps_stock_layout_both_ways(factory, by):
+    model, stock, _, _ = fused_and_stock(factory, torch.float32, by=by)
     fused_sd, stock_sd = model.state_dict(), stock.state_dict()
     assert fused_sd.keys() == stock_sd.keys()
     for k in stock_sd:
@@ -315,31 +337,41 @@ def test_tied_or_hooked_sites_are_reported_not_fused():
     assert "hooks" in report.rolled_back[0].reason
 
 
-def test_rebuild_optimizer_points_at_fused_parameters():
+def test_bind_optimizer_repoints_the_same_object_at_fused_parameters():
+    from turbotrain.optim_layout import bind_optimizer
+    from turbotrain.plan import ModelPlan
+
     torch.manual_seed(0)
     model = HFModel()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.05)
     report = fuse(model)
-    new = rebuild_optimizer(opt, model)
-    assert type(new) is torch.optim.AdamW and new.defaults["lr"] == 3e-3
-    assert {id(p) for g in new.param_groups for p in g["params"]} == {id(p) for p in model.parameters()}
-    again = rebuild_optimizer(new, report)  # mapping an already-fused set changes nothing
-    assert [id(p) for p in again.param_groups[0]["params"]] == [id(p) for p in new.param_groups[0]["params"]]
+    plan = ModelPlan(fused_from=report.param_map)
+    assert bind_optimizer(opt, plan, model) is opt
+    assert {id(p) for g in opt.param_groups for p in g["params"]} == {id(p) for p in model.parameters()}
+    assert opt.defaults["lr"] == 3e-3 and opt.param_groups[0]["weight_decay"] == 0.05
     idx, targets = lm_batch()
     cross_entropy_loss(model(idx), targets).backward()
-    new.step()
-    with pytest.raises(FusionError, match="state"):
-        rebuild_optimizer(new, model)
+    opt.step()
+    with pytest.raises(ConfigError, match="factory"):
+        fresh = HFModel()
+        fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
+        for p in fresh.parameters():
+            p.grad = torch.zeros_like(p)
+        fresh_opt.step()  # it now holds momentum state
+        bind_optimizer(fresh_opt, ModelPlan(fused_from=fuse(fresh).param_map), fresh)
 
 
-def test_rebuild_optimizer_refuses_split_groups():
+def test_bind_optimizer_refuses_split_groups():
+    from turbotrain.optim_layout import bind_optimizer
+    from turbotrain.plan import ModelPlan
+
     model = HFModel(layers=1)
     attn = model.layers[0].self_attn
     rest = [p for n, p in model.named_parameters() if "k_proj" not in n]
     opt = torch.optim.SGD([{"params": rest}, {"params": [attn.k_proj.weight], "lr": 0.5}], lr=0.1)
-    fuse(model, patterns=("qkv",))
-    with pytest.raises(FusionError, match="param groups"):
-        rebuild_optimizer(opt, model)
+    report = fuse(model, patterns=("qkv",))
+    with pytest.raises(ConfigError, match="groups"):
+        bind_optimizer(opt, ModelPlan(fused_from=report.param_map), model)
 
 
 def test_unknown_pattern_is_a_config_error():

@@ -1,3 +1,4 @@
+import contextlib
 import json
 
 import pytest
@@ -62,6 +63,39 @@ def test_recommend_precision_rule(changes, precision, named):
     got, reason = recommend_precision(_info(**changes))
     assert got == precision
     assert named in reason
+
+
+def _fake_cuda(monkeypatch, capability, *, has_switch=True):
+    """torch.cuda as seen on a GPU of ``capability`` where bf16 works emulated below 8.0."""
+    current = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext(current.append(d)))
+
+    def is_bf16_supported(including_emulation=True):
+        return including_emulation or capability >= (8, 0)
+
+    def old_is_bf16_supported():  # a torch without the including_emulation switch
+        return True
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", is_bf16_supported if has_switch else old_is_bf16_supported)
+    return current
+
+
+@pytest.mark.parametrize("capability, native", [((7, 0), False), ((7, 5), False), ((8, 0), True), ((9, 0), True)])
+@pytest.mark.parametrize("has_switch", [True, False])
+def test_cuda_bf16_native_refuses_emulated_bf16(monkeypatch, capability, native, has_switch):
+    _fake_cuda(monkeypatch, capability, has_switch=has_switch)
+    assert torch.cuda.is_bf16_supported()  # torch's own answer counts emulation: True everywhere
+    assert hardware.cuda_bf16_native() is native
+
+
+def test_cuda_bf16_native_asks_the_given_device_and_needs_cuda(monkeypatch):
+    current = _fake_cuda(monkeypatch, (8, 6))
+    assert hardware.cuda_bf16_native("cuda:1") and current == ["cuda:1"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert not hardware.cuda_bf16_native()
 
 
 def test_matmul_peak_counts_two_flops_per_multiply_add_and_caches(tmp_path, monkeypatch):

@@ -1,26 +1,42 @@
-"""Engine: one training step with every turbotrain feature the Config names, and nothing else.
+"""Engine: train the user's model as it is, with the transforms the Config names, in one order.
 
-The Engine owns the order the transforms are applied in, which matters:
-fusion (swaps modules, so parameters may change) -> activation checkpointing -> precision (casts
-the model, gives the optimizer FP32 masters) -> data parallel (DDP over the final parameters) ->
-torch.compile (last, so it sees the finished model).
+    fusion -> activation checkpointing -> precision   (change the model; record what they learn
+                                                       in the ModelPlan)
+    the optimizer is bound                            (the user's instance re-pointed, or built
+                                                       by the user's factory, over what is left)
+    data parallel                                     (DDP over the final parameters)
+    compile                                           (last: one graph for forward and loss)
+
+Transforms that need to see a batch (fusion verifies every site on it) make the Engine finish its
+set-up at the first ``step``; until then ``engine.optimizer`` is the instance passed in (or None
+for a factory). See docs/architecture.md.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import warnings
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional, Union
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map_only
 
-from .checkpoint import FORMAT_VERSION, atomic_save, load_checkpoint
+from . import checkpoint as ckpt
+from .batch import Batch, LossContract, as_batch, check_loss, pad_to_bucket
 from .config import Config
-from .errors import ConfigError, HardwareError, TurbotrainError
+from .errors import CheckpointError, ConfigError, HardwareError, TurbotrainError
+from .optim_layout import bind_optimizer, check_optimizer_params, load_stock_state_dict, stock_state_dict
+from .plan import ApplyContext, ModelPlan, StepContext, Transform, find_head
 from .precision import Precision, warn_misaligned
 
-__all__ = ["Engine", "StepStats"]
+__all__ = ["Engine", "StepStats", "build_transforms"]
+
+logger = logging.getLogger(__name__)
+
+OptimizerArg = Union[torch.optim.Optimizer, Callable[..., torch.optim.Optimizer]]
 
 
 @dataclass
@@ -54,12 +70,41 @@ def _resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def _to_device(value, device):
-    return tree_map_only(torch.Tensor, lambda t: t.to(device, non_blocking=True), value)
+def build_transforms(config: Config, device: torch.device) -> list[Transform]:
+    """The Config's transforms in the order the Engine applies them."""
+    out: list[Transform] = []
+    if config.fuse:
+        from .fusion.transform import FusionTransform
+
+        out.append(FusionTransform(config.fuse))
+    if config.checkpoint:
+        from .memory.transform import CheckpointTransform
+
+        out.append(CheckpointTransform(config.checkpoint))
+    out.append(Precision(config.precision, device, config.loss_scale, config.keep_fp32_head,
+                         sharded=config.parallel is not None))
+    if config.parallel is not None:
+        from .parallel import ParallelTransform
+
+        out.append(ParallelTransform(config.parallel, keep_fp32_head=config.keep_fp32_head))
+    if config.data_parallel is not None:
+        from .comm.transform import DataParallelTransform
+
+        out.append(DataParallelTransform(config.data_parallel))
+    if config.compile:
+        from .fusion.compile import CompileTransform
+
+        out.append(CompileTransform())
+    return out
 
 
 class Engine:
-    """Train ``model`` with ``optimizer`` on ``loss_fn(model(inputs), targets)``.
+    """Train ``model`` with ``optimizer``; the loss is ``loss_fn``'s or, without one, the model's own.
+
+    ``optimizer`` is a torch.optim.Optimizer over ``model.parameters()`` (the Engine steps that same
+    object) or a factory ``lambda params: torch.optim.AdamW(params, ...)`` called after the
+    transforms. ``scheduler`` likewise: an LR scheduler bound to that optimizer, or a factory
+    ``lambda optimizer: ...``. Batches follow the contract in :mod:`turbotrain.batch`.
 
     >>> import torch, turbotrain
     >>> model = torch.nn.Linear(8, 2)
@@ -69,102 +114,201 @@ class Engine:
     >>> batch = (torch.randn(4, 8), torch.tensor([0, 1, 0, 1]))
     >>> [engine.step(batch).optimizer_stepped for _ in range(2)]
     [False, True]
+    >>> engine.optimizer is opt
+    True
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn, config: Config | None = None,
-                 scheduler=None):
+    def __init__(self, model: nn.Module, optimizer: OptimizerArg, loss_fn: Optional[Callable] = None,
+                 config: Config | None = None, scheduler=None):
         if not isinstance(model, nn.Module):
             raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise ConfigError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        self.config = config = config or Config()
-        self.device = _resolve_device(config.device)
+        if not isinstance(optimizer, torch.optim.Optimizer) and not callable(optimizer):
+            raise ConfigError(f"optimizer must be a torch.optim.Optimizer or a factory taking the parameters, "
+                              f"got {type(optimizer).__name__}")
+        if config is None:
+            config = Config()
+        elif not isinstance(config, Config):
+            raise ConfigError(f"config must be a turbotrain.Config, got {type(config).__name__}; "
+                              "write config=turbotrain.Config(**settings)")
+        if scheduler is not None and not callable(scheduler) and not hasattr(scheduler, "step"):
+            raise ConfigError("scheduler must be an LR scheduler or a factory taking the optimizer")
+        self.config = config
+        self.contract = LossContract(loss_fn)
         self.loss_fn = loss_fn
-        self.scheduler = scheduler
-        self.fusion_report = None
-        self.comm = None
-        model.to(self.device)
+        self._stock = list(model.named_parameters())
+        """The model's parameters as the user built it: the stock layout checkpoints are keyed by."""
+        if isinstance(optimizer, torch.optim.Optimizer):
+            check_optimizer_params(optimizer, self._stock)
+        self._optimizer_arg, self._scheduler_arg = optimizer, scheduler
+        self.optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
+        self.scheduler = None if (scheduler is None or callable(scheduler) and not hasattr(scheduler, "step")) \
+            else scheduler
 
-        if config.fuse:
-            from . import fusion
-
-            self.fusion_report = fusion.fuse(model, patterns=config.fuse, verify=True)
-            optimizer = fusion.rebuild_optimizer(optimizer, model)
-            if scheduler is not None:
-                scheduler.optimizer = optimizer
-        if config.checkpoint:
-            from . import memory
-
-            memory.apply_checkpointing(model, config.checkpoint)
-
-        self.precision = Precision(config.precision, self.device, config.loss_scale, config.keep_fp32_head)
-        self.precision.prepare(model, optimizer)
-        self.module = model
-        """The model itself (unwrapped from DDP / torch.compile); its state_dict is the stock layout."""
-
-        if config.data_parallel is not None:
-            from . import comm
-
-            model, new_optimizer, self.comm = comm.prepare(model, optimizer, config.data_parallel, self.device)
-            # DDP broadcast rank 0's (low-precision) weights; the FP32 masters must follow, or the
-            # first copy-back would restore each rank's own initialisation and the replicas diverge.
-            self.precision.broadcast_masters()
-            if new_optimizer is not optimizer:  # 1-bit Adam replaces the optimizer (same parameters)
-                optimizer = new_optimizer
-                self.precision.bind_optimizer(optimizer)
-                if scheduler is not None:
-                    scheduler.optimizer = optimizer
-        self.optimizer = optimizer
-        self._forward_model = model
-        if config.compile:
-            self._forward_model = torch.compile(model)
-        self.model = self._forward_model
-        """What to call for a forward pass (possibly DDP-wrapped and compiled)."""
-
+        device = _resolve_device(config.device)
+        self.transforms = build_transforms(config, device)
+        for t in self.transforms:
+            device = t.place(device)
+        self.device = device
+        self.precision: Precision = self._transform("precision")
+        self.plan = ModelPlan()
+        self.module = model.to(device)
+        """The model itself (unwrapped from DDP and compile); its state_dict is the stock layout."""
+        self.model = self.module
+        """What a forward pass calls (DDP-wrapped once set up)."""
+        self._runner = None
+        self._pending_state: dict | None = None
         self._micro = 0
         self.steps = 0
         self.skipped_steps = 0
         self._advised = False
-        self._graphs_at_start: int | None = None
+        if not self._needs_example():
+            self._setup(None)
 
-    # -- the step ----------------------------------------------------------------------------
+    # -- set-up --------------------------------------------------------------------------------
+    def _transform(self, name: str):
+        return next((t for t in self.transforms if t.name == name), None)
+
+    @property
+    def comm(self):
+        """The data-parallel CommState, or None."""
+        dp = self._transform("data_parallel")
+        return dp.state if dp is not None else None
+
+    @property
+    def fusion_report(self):
+        fusion = self._transform("fusion")
+        return fusion.report if fusion is not None else None
+
+    def _needs_example(self) -> bool:
+        return any(t.needs_example for t in self.transforms) or self.config.keep_fp32_head
+
+    @property
+    def ready(self) -> bool:
+        """True once the transforms are applied and the optimizer is bound."""
+        return self._runner is not None
+
+    def _setup(self, example: Optional[Batch]) -> None:
+        model, plan = self.module, self.plan
+        ctx = ApplyContext(self.device, example, loss_contract=self.contract, dtype=self.precision.dtype,
+                           forward_context=self.autocast)
+        plan.record_norms(model)
+        run = None if example is None else (lambda: model(*example.args, **example.kwargs))
+        plan.head_path = find_head(model, run)
+        plan.head = model.get_submodule(plan.head_path) if plan.head_path else None
+        if self.config.keep_fp32_head and plan.head is None:
+            warnings.warn("keep_fp32_head=True, but no Linear produces the logits the model returns, so no head "
+                          "is kept in FP32", stacklevel=3)
+        for t in self.transforms:
+            t.apply(model, plan, ctx)
+        self.optimizer = bind_optimizer(self._optimizer_arg, plan, model)
+        self._bind_scheduler()
+        ctx.optimizer = self.optimizer
+        forward_module = model
+        for t in self.transforms:
+            forward_module = t.wrap_module(forward_module, plan, ctx)
+        self.model = forward_module
+        runner = self._forward_loss
+        for t in self.transforms:
+            runner = t.wrap_runner(runner, plan, ctx)
+        self._runner = runner
+        for t in self.transforms:
+            logger.info("%s", t.describe())
+        if self._pending_state is not None:
+            state, self._pending_state = self._pending_state, None
+            if "sharded_path" in state:
+                self.load_sharded(state["sharded_path"])
+            else:
+                self._load_after_setup(state)
+
+    def _bind_scheduler(self) -> None:
+        arg = self._scheduler_arg
+        if arg is None:
+            return
+        if hasattr(arg, "step") and hasattr(arg, "optimizer"):
+            if arg.optimizer is not self.optimizer:
+                raise ConfigError("the scheduler is bound to another optimizer than the one the Engine steps; "
+                                  "build it on the optimizer you pass, or pass a factory: "
+                                  "scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, ...)")
+            self.scheduler = arg
+        else:
+            self.scheduler = arg(self.optimizer)
+
+    def describe(self) -> str:
+        """One line per transform: what it chose and found."""
+        return "\n".join(t.describe() for t in self.transforms)
+
+    # -- the step ------------------------------------------------------------------------------
     def autocast(self) -> contextlib.AbstractContextManager:
-        """The precision context forward passes run under (autocast and the FP32 keep-list)."""
-        return self.precision.forward_context()
+        """The context forward passes run under (autocast and the FP32 keep-list)."""
+        stack = contextlib.ExitStack()
+        for t in self.transforms:
+            stack.enter_context(t.forward_context())
+        return stack
+
+    def _forward_loss(self, args, kwargs, targets, kind: str):
+        """Forward and loss of one micro-batch: the function torch.compile sees as one graph."""
+        head = self.plan.loss_head
+        batch = Batch(args, kwargs, targets, kind=kind)
+        if head is not None:
+            from .fusion.loss_head import loss_targets
+
+            labels, call = loss_targets(batch)
+            head.arm(labels)
+            self.model(*call.args, **call.kwargs)
+            return head.take_loss()
+        return self.contract.loss(self.model(*args, **kwargs), batch)
+
+    def _prepare_batch(self, batch) -> Batch:
+        b = as_batch(batch, self.device, self.loss_fn is not None)
+        if not self.ready:
+            self._setup(b)
+        if self.config.seq_buckets:  # pad to a few lengths so torch.compile sees few shapes
+            b = pad_to_bucket(b, self.config.seq_buckets, self.module)
+        return b
 
     def step(self, batch) -> StepStats:
-        """Forward, backward and (every ``accumulate`` calls) the optimizer step on one micro-batch."""
-        inputs, targets = self._unpack(batch)
+        """Forward, backward and (every ``accumulate`` calls) the optimizer step on one micro-batch.
+
+        Whatever this raises, the Engine is left as before the call's micro-batch (its gradients
+        dropped, the accumulation restarted), so the next good batch trains.
+        """
+        b = self._prepare_batch(batch)
+        try:
+            return self._step(b)
+        except BaseException:
+            self._drop_gradients()
+            self._micro = 0
+            raise
+
+    def _step(self, b: Batch) -> StepStats:
         cfg = self.config
         if not self._advised:
             self._advised = True
             if self.precision.dtype is not None:
-                batch_size = inputs.shape[0] if isinstance(inputs, torch.Tensor) and inputs.dim() else None
-                warn_misaligned(self.module, batch_size)
+                warn_misaligned(self.module, b.size)
         micro = self._micro
         closes_step = micro + 1 == cfg.accumulate
-        sync_ctx = self.comm.no_sync() if (self.comm is not None and not closes_step) else contextlib.nullcontext()
-        with sync_ctx:
+        with contextlib.ExitStack() as stack:
+            for t in self.transforms:
+                stack.enter_context(t.accumulate_context(closes_step))
             with self.autocast():
-                output = self._forward_model(inputs)
-                loss = self.loss_fn(output, targets)
-            scaled = self.precision.scale_loss(loss / cfg.accumulate if cfg.accumulate > 1 else loss)
+                loss = self._runner(b.args, b.kwargs, b.targets, b.kind)
+            check_loss(loss, self.contract.source if self.plan.loss_head is None else "the fused loss head")
+            scaled = loss / cfg.accumulate if cfg.accumulate > 1 else loss
+            for t in self.transforms:
+                scaled = t.scale_loss(scaled)
             scaled.backward()
         if cfg.nan_check:
-            self._check_finite(loss, (inputs, targets))
-        self._micro = 0 if closes_step else micro + 1
+            self._check_finite(loss, b)
         stats = StepStats(loss=loss.detach(), micro_step=micro, step=self.steps, optimizer_stepped=closes_step)
         if closes_step:
             self._optimizer_step(stats)
+        self._micro = 0 if closes_step else micro + 1
         if self.precision.scaler is not None:
             stats.loss_scale = self.precision.scaler.scale
-        if cfg.compile:
-            from .fusion.compile import check_recompile_budget, recompile_count
-
-            if self._graphs_at_start is None:  # the first step's compile is not a recompile
-                self._graphs_at_start = recompile_count()
-            stats.recompiles = recompile_count() - self._graphs_at_start
-            check_recompile_budget()
+        compile_t = self._transform("compile")
+        if compile_t is not None:
+            stats.recompiles = compile_t.recompiles()
         if cfg.sync_stats:
             stats.loss = stats.loss.item()
             if isinstance(stats.grad_norm, torch.Tensor):
@@ -173,35 +317,44 @@ class Engine:
 
     def _optimizer_step(self, stats: StepStats) -> None:
         cfg = self.config
-        grads = self.precision.collect_grads()
-        found_inf = self.precision.unscale_and_check_(grads)
-        if found_inf is not None and self.comm is not None:
-            found_inf = self.comm.agree_found_inf(found_inf)
-        params = self.precision.optimizer_params()
+        ctx = StepContext(params=[p for g in self.optimizer.param_groups for p in g["params"]])
+        for t in self.transforms:
+            t.before_optimizer_step(ctx)
+        if getattr(self.plan, "sharded", False):  # DTensor gradients, possibly on several meshes
+            from .parallel import clip_grad_norm_, grad_norm
+        else:
+            clip_grad_norm_, grad_norm = torch.nn.utils.clip_grad_norm_, torch.nn.utils.get_total_norm
         if cfg.clip_grad_norm is not None:
-            stats.grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.clip_grad_norm, foreach=True)
+            stats.grad_norm = clip_grad_norm_(ctx.params, cfg.clip_grad_norm, foreach=True)
         elif cfg.track_grad_norm:
-            stats.grad_norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+            stats.grad_norm = grad_norm(ctx.grads, foreach=True)
         # The one host sync of a step, and only in the fp16 modes: the skip decision.
         skip = False
-        if found_inf is not None:
+        if ctx.found_inf is not None:
             scale = self.precision.scaler.scale
-            skip = self.precision.scaler.update(bool(found_inf.item()))
+            skip = self.precision.scaler.update(bool(ctx.found_inf.item()))
         if skip:
             stats.skipped = True
             stats.skip_reason = f"inf/NaN gradients at loss scale {scale:g}; scale now {self.precision.scaler.scale:g}"
             self.skipped_steps += 1
         else:
             self.optimizer.step()
-            self.precision.after_optimizer_step()
+            for t in self.transforms:
+                t.after_optimizer_step()
             if self.scheduler is not None:
                 self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.module.zero_grad(set_to_none=True)
+        self._drop_gradients()
         self.steps += 1
         stats.step = self.steps
 
-    def _check_finite(self, loss: torch.Tensor, batch) -> None:
+    def _drop_gradients(self) -> None:
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+        self.module.zero_grad(set_to_none=True)
+        for t in self.transforms:
+            t.reset_grads()
+
+    def _check_finite(self, loss: torch.Tensor, batch: Batch) -> None:
         """One fused finiteness test of the loss and gradients; on failure, name the origin module."""
         from . import diagnose
 
@@ -210,26 +363,18 @@ class Engine:
         grads = [] if scaler else [p.grad for p in self.module.parameters()]
         if not bool(diagnose.nonfinite_flag(loss, grads)):
             return
-        report = diagnose.find_nonfinite(self.module, self.loss_fn, batch, autocast=self.autocast,
-                                         loss_scale=scaler.scale if scaler else 1.0)
+        self._drop_gradients()  # the replay below makes its own
+        scale = scaler.scale if scaler else 1.0
+        if batch.kind == "tuple" and self.loss_fn is not None:
+            report = diagnose.find_nonfinite(self.module, self.loss_fn, (batch.args[0], batch.targets),
+                                             autocast=self.autocast, loss_scale=scale)
+        else:  # the finder calls model(inputs): let it call the model the way the contract does
+            report = diagnose.find_nonfinite(_CallAdapter(self.module), lambda out, _: self.contract.loss(out, batch),
+                                             ((batch.args, batch.kwargs), None), autocast=self.autocast,
+                                             loss_scale=scale)
         raise TurbotrainError(f"inf/NaN appeared at optimizer step {self.steps}.\n{report}")
 
-    def _unpack(self, batch):
-        if isinstance(batch, dict):
-            try:
-                batch = (batch["inputs"], batch["targets"])
-            except KeyError:
-                raise ConfigError("a dict batch needs the keys 'inputs' and 'targets'") from None
-        if not isinstance(batch, (tuple, list)) or len(batch) != 2:
-            raise ConfigError("a batch must be (inputs, targets) or {'inputs': ..., 'targets': ...}")
-        inputs, targets = _to_device(tuple(batch), self.device)
-        if self.config.seq_buckets:  # pad to a few lengths so torch.compile sees few shapes
-            from .fusion.compile import pad_batch
-
-            inputs, targets = pad_batch((inputs, targets), self.config.seq_buckets)
-        return inputs, targets
-
-    # -- evaluation --------------------------------------------------------------------------
+    # -- evaluation ----------------------------------------------------------------------------
     @torch.no_grad()
     def eval_loss(self, batches) -> float:
         """Mean loss over ``batches`` under the engine's precision, in eval mode."""
@@ -238,9 +383,9 @@ class Engine:
         total, count = 0.0, 0
         try:
             for batch in batches:
-                inputs, targets = self._unpack(batch)
+                b = self._prepare_batch(batch)
                 with self.autocast():
-                    total += float(self.loss_fn(self._forward_model(inputs), targets))
+                    total += float(self._runner(b.args, b.kwargs, b.targets, b.kind))
                 count += 1
         finally:
             self.module.train(was_training)
@@ -248,51 +393,143 @@ class Engine:
             raise ConfigError("eval_loss needs at least one batch")
         return total / count
 
-    # -- checkpoints -------------------------------------------------------------------------
+    # -- checkpoints ---------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """Everything to resume exactly; 'model' holds FP32 weights in the stock layout."""
+        """Everything to resume exactly. 'model' holds FP32 weights and 'optimizer' its state, both in
+        the stock layout (keyed by the unfused model's parameter names)."""
+        if not self.ready:
+            raise CheckpointError("the Engine is not set up yet (fusion is applied at the first step); "
+                                  "save after at least one engine.step")
+        if getattr(self.plan, "sharded", False):
+            raise CheckpointError("a sharded Engine (Config(parallel=...)) has no single-process state_dict; "
+                                  "use engine.save(directory), then `turbotrain ckpt consolidate` for one file")
         with self.precision.full_precision_weights():
             model_state = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
         return {
             "format": "turbotrain",
-            "version": FORMAT_VERSION,
+            "version": ckpt.FORMAT_VERSION,
             "model": model_state,
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": stock_state_dict(self.optimizer, self.plan, self._stock),
+            "optimizer_type": _qualname(self.optimizer),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-            "precision": self.precision.state_dict(),
-            "comm": self.comm.state_dict() if self.comm is not None else None,
+            "transforms": {t.name: t.state_dict() for t in self.transforms},
             "engine": {"steps": self.steps, "micro": self._micro, "skipped": self.skipped_steps},
             "config": self.config.to_dict(),
-            "rng": torch.get_rng_state(),
+            "rng": ckpt.rng_state(),
         }
 
     def load_state_dict(self, state: dict) -> None:
-        self.precision.load_state_dict(state.get("precision") or {})
-        with self.precision.full_precision_weights():
-            self.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        """Restore a state_dict; before set-up (fusion pending) it is applied at the first step."""
+        ckpt.validate_structure(state)
+        self._check_compatible(state)
+        if not self.ready:
+            self._pending_state = state
+            return
+        self._load_after_setup(state)
+
+    def _check_compatible(self, state: dict) -> None:
+        saved_type = state.get("optimizer_type")
+        current = self.optimizer if self.optimizer is not None else None
+        if saved_type is not None and current is not None and saved_type != _qualname(current):
+            raise CheckpointError(f"the checkpoint was trained with the optimizer {saved_type}, this Engine has "
+                                  f"{_qualname(current)}; pass the same optimizer class to resume")
+        saved_cfg = state.get("config") or {}
+        mine = self.config.to_dict()
+        differ = sorted(k for k in saved_cfg if k in mine and saved_cfg[k] != mine[k] and k != "precision")
+        if differ:
+            listed = ", ".join(f"{k}: {saved_cfg[k]!r} -> {mine[k]!r}" for k in differ)
+            warnings.warn(f"resuming with a different config ({listed}); the run continues, but it is not the "
+                          "run that was saved", stacklevel=3)
+
+    def _load_after_setup(self, state: dict) -> None:
+        transforms = state.get("transforms") or {"precision": state.get("precision") or {},
+                                                 "data_parallel": state.get("comm") or {}}
+        self.precision.load_state_dict(transforms.get("precision") or {})
+        if state["model"] is not None:  # None: a sharded checkpoint, which load_sharded already restored
+            self._load_model_and_optimizer(state)
         if self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])
-        if self.comm is not None and state.get("comm") is not None:
-            self.comm.load_state_dict(state["comm"])
+        for t in self.transforms:
+            if t.name != "precision" and transforms.get(t.name):
+                t.load_state_dict(transforms[t.name])
         eng = state["engine"]
         self.steps, self._micro, self.skipped_steps = eng["steps"], eng["micro"], eng["skipped"]
         if state.get("rng") is not None:
-            torch.set_rng_state(state["rng"])
+            ckpt.set_rng_state(state["rng"])
+
+    def _load_model_and_optimizer(self, state: dict) -> None:
+        with self.precision.full_precision_weights():
+            self.module.load_state_dict(state["model"])
+        saved_opt = state["optimizer"]
+        if saved_opt.get("layout") == "stock":
+            load_stock_state_dict(self.optimizer, saved_opt, self.plan, self._stock)
+        else:  # format 1: torch's own layout, valid only for an identically built optimizer
+            self.optimizer.load_state_dict(saved_opt)
 
     def save(self, path) -> None:
-        """Write a checkpoint atomically (temporary file, fsync, rename)."""
+        """Write a checkpoint atomically (temporary file, fsync, rename) with a content hash."""
         if self._micro:
             raise ConfigError(
                 f"save() was called in the middle of an accumulated step (micro-step {self._micro} of "
                 f"{self.config.accumulate}); call it right after a step whose optimizer_stepped is True"
             )
-        atomic_save(self.state_dict(), path)
+        if getattr(self.plan, "sharded", False):
+            from .parallel import save_sharded
+
+            save_sharded(path, self.module, self.optimizer, extra=self._resume_state())
+            return
+        ckpt.atomic_save(self.state_dict(), path)
+
+    def _resume_state(self) -> dict:
+        """Everything but the model and optimizer (which a sharded checkpoint holds in DCP's files)."""
+        return {
+            "format": "turbotrain",
+            "version": ckpt.FORMAT_VERSION,
+            "model": None,
+            "optimizer": None,
+            "optimizer_type": _qualname(self.optimizer),
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "transforms": {t.name: t.state_dict() for t in self.transforms},
+            "engine": {"steps": self.steps, "micro": self._micro, "skipped": self.skipped_steps},
+            "config": self.config.to_dict(),
+            "rng": ckpt.rng_state(),
+        }
+
+    def load_sharded(self, path) -> None:
+        """Restore a directory Engine.save wrote with parallel training, on any number of ranks."""
+        if not self.ready:
+            self._pending_state = {"sharded_path": path}
+            return
+        from .parallel import load_sharded
+
+        state = load_sharded(path, self.module, self.optimizer)
+        self._check_compatible(state)
+        self._load_after_setup(state)
 
     @classmethod
-    def load(cls, path, model, optimizer, loss_fn, config: Config | None = None, scheduler=None) -> "Engine":
+    def load(cls, path, model, optimizer, loss_fn=None, config: Config | None = None, scheduler=None) -> "Engine":
         """Build an Engine around a fresh model/optimizer and restore ``path`` into it."""
-        state = load_checkpoint(path)
+        if Path(path).is_dir():  # a sharded checkpoint (parallel training)
+            engine = cls(model, optimizer, loss_fn, config=config, scheduler=scheduler)
+            engine.load_sharded(path)
+            return engine
+        state = ckpt.load_checkpoint(path)
         engine = cls(model, optimizer, loss_fn, config=config, scheduler=scheduler)
         engine.load_state_dict(state)
         return engine
+
+
+def _qualname(obj) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+class _CallAdapter(nn.Module):
+    """Lets the NaN finder call the model the way the batch contract does."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.inner = model
+
+    def forward(self, call):
+        args, kwargs = call
+        return self.inner(*args, **kwargs)

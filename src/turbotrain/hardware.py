@@ -13,12 +13,13 @@ True
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+import logging
 import os
 import platform
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
@@ -27,6 +28,9 @@ from pathlib import Path
 import torch
 
 from .errors import HardwareError, check_choice
+from .utils import atomic_write, sync_device
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "HardwareInfo",
@@ -35,6 +39,7 @@ __all__ = [
     "measure_memory_bandwidth",
     "recommend_precision",
     "native_bf16_feature",
+    "cuda_bf16_native",
     "NATIVE_BF16_FEATURES",
     "cache_dir",
     "resolve_device",
@@ -42,7 +47,6 @@ __all__ = [
     "parse_cpuinfo",
     "environment_report",
     "CPU_FEATURES",
-    "add_cli",
 ]
 
 #: /proc/cpuinfo flags that decide how fast low precision runs on a CPU.
@@ -164,6 +168,29 @@ def native_bf16_feature(info: HardwareInfo) -> str | None:
     return next((f for f in NATIVE_BF16_FEATURES if f in info.cpu_features), None)
 
 
+def cuda_bf16_native(device=None) -> bool:
+    """True when the CUDA ``device`` (the current one by default) computes bf16 natively.
+
+    ``torch.cuda.is_bf16_supported()`` also says True on pre-Ampere GPUs (V100, T4) where bf16
+    only works emulated, many times slower than fp16 and without bf16 tensor cores; bf16 training
+    there is a mistake. Native means compute capability >= 8.0 (ROCm: whatever torch says).
+
+    >>> cuda_bf16_native() == (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0))
+    True
+    """
+    if not torch.cuda.is_available():
+        return False
+    # is_bf16_supported asks the current device; make that ``device`` (None: leave it as it is).
+    with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
+        try:
+            supported = torch.cuda.is_bf16_supported(including_emulation=False)
+        except TypeError:  # a torch without the switch: the capability below decides alone
+            supported = True
+        if torch.version.hip:
+            return supported
+        return supported and tuple(torch.cuda.get_device_capability()) >= (8, 0)
+
+
 # ----------------------------------------------------------------------------------------- caching
 def cache_dir() -> Path:
     """Where measured peaks are kept: $TURBOTRAIN_CACHE, else ~/.cache/turbotrain."""
@@ -192,29 +219,23 @@ def _cached(key: str, measure, force: bool) -> float:
     table[key] = {"value": value, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
-        os.replace(tmp, path)  # atomic, so two benchmarks measuring at once cannot corrupt it
+        # atomic, so two benchmarks measuring at once cannot corrupt it
+        atomic_write(path, json.dumps(table, indent=1, sort_keys=True))
     except OSError as exc:  # a read-only home still gets a measured number, just not a cached one
-        print(f"turbotrain: could not cache peaks in {path} ({exc}); set TURBOTRAIN_CACHE", file=sys.stderr)
+        logger.warning("could not cache peaks in %s (%s); set TURBOTRAIN_CACHE", path, exc)
     return value
-
-
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 def _median_seconds(fn, device: str, seconds: float, min_repeats: int = 5) -> float:
     """Median wall time of ``fn()`` over repeats filling about ``seconds``, after one warm-up call."""
     fn()
-    _sync(device)
+    sync_device(device)
     times: list[float] = []
     deadline = time.perf_counter() + seconds
     while len(times) < min_repeats or time.perf_counter() < deadline:
         t0 = time.perf_counter()
         fn()
-        _sync(device)
+        sync_device(device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -321,25 +342,3 @@ def print_environment(report: dict, console=None) -> None:
     console.print(f"[bold]copy bandwidth[/] {report['memory_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s (read + write)")
     console.print(f"[bold]recommended precision[/] {report['recommended_precision']}: "
                   f"{report['recommended_precision_reason']}")
-
-
-def _env_main(args) -> int:
-    try:
-        report = environment_report(args.device, force=args.remeasure)
-    except HardwareError as exc:
-        print(f"turbotrain env: {exc}", file=sys.stderr)
-        return 2
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        print_environment(report)
-    return 0
-
-
-def add_cli(subparsers) -> None:
-    """Register ``turbotrain env``."""
-    p = subparsers.add_parser("env", help="describe the hardware, measure matmul peaks, recommend a precision")
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    p.add_argument("--remeasure", action="store_true", help="ignore cached peaks and measure again")
-    p.set_defaults(func=_env_main)

@@ -11,6 +11,7 @@ PowerSGD's Q and errors, 1-bit Adam's errors) is in ``CommState.state_dict()``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 
 import torch
@@ -21,11 +22,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ..errors import ConfigError, HardwareError
 from .config import DataParallelConfig
 from .env import init, is_initialized
-from .hooks import CAST_DTYPES, HookState, allreduce_hook, cast_hook, noop_hook
-from .onebit import OneBitAdam
+from .hooks import CAST_DTYPES, HookState, allreduce_hook, cast_hook
+from .onebit import OneBitAdam, onebit_hook
 from .powersgd import PowerSGDState, powersgd_hook
-from .preflight import build_plan, preflight
-from .sparse import SparseExchange, sparse_embedding_params
+from .agree import build_plan, preflight
+from .sparse import SparseExchange, allgather_sparse_mean, sparse_embedding_params
+from .strategies import ParameterServerState, parameter_server_hook, ps_sparse_mean
 
 __all__ = ["CommState", "prepare", "convert_batchnorm", "to_onebit_adam"]
 
@@ -54,6 +56,12 @@ class CommState:
     def collective_calls(self) -> int:
         """Individual collectives the gradient exchange issued (rounds x buckets x per-bucket calls)."""
         return self.hook_state.calls
+
+    @property
+    def bytes_sent(self) -> int:
+        """Payload bytes this rank handed to the gradient exchange's collectives so far (dense hooks,
+        1-bit Adam's momentum exchange, sparse exchange); see HookState.bytes_sent for the convention."""
+        return self.hook_state.bytes_sent
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -85,21 +93,29 @@ class CommState:
     def state_dict(self) -> dict:
         sd = {"hook": self.hook_state.state_dict(), "aux_calls": self.aux_calls}
         if isinstance(self.optimizer, OneBitAdam):
-            sd["onebit"] = self.optimizer.compressor.state_dict()
+            # progress, the freeze's mask and the errors: the Engine saves Adam's per-parameter
+            # state itself but not what OneBitAdam.state_dict() adds to it
+            sd["onebit"] = self.optimizer.onebit_state_dict()
         return sd
 
     def load_state_dict(self, sd: dict) -> None:
         self.hook_state.load_state_dict(sd.get("hook", {}))
         self.aux_calls = int(sd.get("aux_calls", 0))
         if "onebit" in sd and isinstance(self.optimizer, OneBitAdam):
-            self.optimizer.compressor.load_state_dict(sd["onebit"])
+            saved = sd["onebit"]
+            if "worker_error" in saved:  # saved before the optimizer carried it: errors only
+                saved = {**self.optimizer.onebit_state_dict(), "compressor": saved}
+            self.optimizer.load_onebit_state_dict(saved)
 
 
-def convert_batchnorm(model: nn.Module, dp: DataParallelConfig) -> nn.Module:
-    """SyncBatchNorm when ``dp.sync_bn`` (parameters are kept, so the optimizer stays valid), else unchanged."""
+def convert_batchnorm(model: nn.Module, dp: DataParallelConfig, group=None) -> nn.Module:
+    """SyncBatchNorm when ``dp.sync_bn`` (parameters are kept, so the optimizer stays valid), else unchanged.
+
+    Statistics are reduced over ``group`` (None: the world), the same ranks DDP averages over.
+    """
     if not dp.sync_bn:
         return model
-    return nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    return nn.SyncBatchNorm.convert_sync_batchnorm(model, process_group=group)
 
 
 def to_onebit_adam(optimizer: torch.optim.Optimizer, warmup_steps: int, group=None) -> OneBitAdam:
@@ -126,20 +142,32 @@ def to_onebit_adam(optimizer: torch.optim.Optimizer, warmup_steps: int, group=No
 
 
 def _onebit_hook(state: HookState, bucket):
-    # Warm-up: exact all-reduce; afterwards the optimizer's momentum exchange is the only traffic.
-    if state.extra["optimizer"].compressing:
-        return noop_hook(state, bucket)
-    return allreduce_hook(state, bucket)
+    # Warm-up: exact all-reduce; afterwards only what the optimizer keeps exact (small tensors,
+    # elements with v = 0 at the freeze) is all-reduced, and its momentum exchange does the rest.
+    return onebit_hook(state, bucket)
+
+
+def _side_group(group, world: int):
+    """A second group over the same ranks, for collectives launched from completion callbacks."""
+    if world == 1:
+        return None
+    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    return dist.new_group(ranks, use_local_synchronization=True)
 
 
 def _make_hook(dp: DataParallelConfig, group, world: int, names: dict):
+    if dp.strategy == "parameter_server":
+        state = ParameterServerState(group=group, world_size=world, wire_dtype=CAST_DTYPES.get(dp.compression),
+                                     servers=dp.ps_servers, rank=dist.get_rank(group),
+                                     side_group=_side_group(group, world))
+        return state, parameter_server_hook
     if dp.compression is None:
         return HookState(group=group, world_size=world), allreduce_hook
     if dp.compression in CAST_DTYPES:
         return HookState(group=group, world_size=world, wire_dtype=CAST_DTYPES[dp.compression]), cast_hook
     if dp.compression == "powersgd":
         state = PowerSGDState(group=group, world_size=world, rank=dp.powersgd_rank,
-                              warmup_steps=dp.warmup_steps, names=names)
+                              warmup_steps=dp.warmup_steps, names=names, side_group=_side_group(group, world))
         return state, powersgd_hook
     return HookState(group=group, world_size=world), _onebit_hook
 
@@ -152,6 +180,14 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, dp: DataParallel
     every rank has the same plan before any gradient collective can hang on a mismatch.
     """
     dp = dp if isinstance(dp, DataParallelConfig) else DataParallelConfig()
+    if dp.compression == "onebit" and not isinstance(optimizer, OneBitAdam):
+        # 1-bit Adam is an optimizer the user chooses; swapping it in behind their back would step
+        # another object than the one they hold.
+        raise ConfigError(
+            f"compression='onebit' is 1-bit Adam, but the optimizer is {type(optimizer).__name__}; pass "
+            "turbotrain.comm.OneBitAdam(params, lr=..., warmup_steps=...) (or to_onebit_adam(adam_optimizer, "
+            "warmup_steps)) as the optimizer"
+        )
     if not is_initialized():
         init()
     world = dist.get_world_size(group)
@@ -159,6 +195,9 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, dp: DataParallel
     device = torch.device(device) if device is not None else next(model.parameters()).device
     if dp.compression == "onebit" and dp.warmup_steps < 1:
         raise ConfigError("compression='onebit' needs warmup_steps >= 1 to measure the variance it freezes")
+    if dp.strategy != "ring" and dp.ps_servers > world:
+        raise ConfigError(f"ps_servers={dp.ps_servers} is more than the {world} ranks of the group; "
+                          f"choose 1..{world}")
 
     sparse_params = sparse_embedding_params(model)
     if sparse_params and not dp.sparse_embeddings:
@@ -172,10 +211,8 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, dp: DataParallel
             "sync_bn=True: torch's SyncBatchNorm runs on CUDA only and this job trains on CPU; "
             "drop sync_bn (per-rank statistics) or train on GPUs with NCCL"
         )
-    model = convert_batchnorm(model, dp).to(device)
+    model = convert_batchnorm(model, dp, group).to(device)
 
-    if dp.compression == "onebit":
-        optimizer = to_onebit_adam(optimizer, dp.warmup_steps, group)
     preflight(build_plan(model, dp, world_size=world, backend=backend, optimizer=optimizer), group, device)
 
     if sparse_params:
@@ -198,7 +235,14 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, dp: DataParallel
         optimizer.compressor.bind(group)  # the optimizer may predate init()
         optimizer.compressor.hook_state = hook_state
     ddp.register_comm_hook(hook_state, hook)
-    sparse = SparseExchange(sparse_params, group, hook_state) if sparse_params else None
+    sparse = None
+    if sparse_params:
+        mean = allgather_sparse_mean
+        if isinstance(optimizer, OneBitAdam):  # their gradients arrive averaged, sparsely: no 1-bit for them
+            optimizer.keep_exact(sparse_params.values())
+        if dp.strategy in ("parameter_server", "hybrid"):
+            mean = functools.partial(ps_sparse_mean, servers=dp.ps_servers)
+        sparse = SparseExchange(sparse_params, group, hook_state, mean)
     if world == 1:
         warnings.warn("data_parallel with world size 1: DDP wraps the model but nothing is exchanged", stacklevel=2)
     return ddp, optimizer, CommState(ddp, dp, hook_state, optimizer, sparse, group)

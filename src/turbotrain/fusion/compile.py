@@ -11,63 +11,18 @@ eagerly. Padding batches up to a few bucket lengths bounds the graphs at ``len(b
 from __future__ import annotations
 
 import warnings
-from typing import Sequence
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
-from ..errors import ConfigError
+from ..batch import bucket_length
+from ..plan import Transform
 from .ops._kernels import epilogue_frames
 
-__all__ = ["bucket_length", "pad_batch", "compile_model", "recompile_count", "recompile_limit",
-           "check_recompile_budget"]
+__all__ = ["bucket_length", "recompile_count", "recompile_limit", "check_recompile_budget", "CompileTransform"]
 
 _WARNED = [False]
 #: Warn when this fraction of the recompile limit is used up.
 _WARN_FRACTION = 0.75
-
-
-def bucket_length(length: int, buckets: Sequence[int]) -> int:
-    """The smallest bucket >= ``length``."""
-    fitting = [b for b in sorted(buckets) if b >= length]
-    if not fitting:
-        raise ConfigError(f"sequence length {length} is longer than every seq_bucket {tuple(buckets)}; "
-                          f"add a bucket >= {length} to Config(seq_buckets=...)")
-    return fitting[0]
-
-
-def pad_batch(batch, buckets: Sequence[int], pad_id: int = 0, ignore_index: int = -100):
-    """Pad ``(inputs, targets)`` on the right, along dim 1, up to the bucket length.
-
-    Inputs get ``pad_id`` and targets ``ignore_index``, so for a causal LM (which never looks right)
-    the mean loss over the real tokens is exactly unchanged. Targets without a sequence dimension
-    (one label per sample) are left as they are.
-    """
-    inputs, targets = batch
-    length = inputs.shape[1]
-    size = bucket_length(length, buckets)
-    if size == length:
-        return inputs, targets
-    extra = size - length
-
-    def pad(t, value):
-        spec = [0, 0] * (t.dim() - 2) + [0, extra]  # F.pad lists the last dimension first
-        return F.pad(t, spec, value=value)
-
-    inputs = pad(inputs, pad_id)
-    if targets.dim() >= 2 and targets.shape[1] == length:
-        targets = pad(targets, ignore_index)
-    return inputs, targets
-
-
-def compile_model(model: nn.Module, dynamic: bool = False, **kwargs) -> nn.Module:
-    """torch.compile(model, dynamic=dynamic, **kwargs).
-
-    ``dynamic=False`` by default: with seq_buckets the shapes are few, and static shapes give the
-    fastest kernels; pass ``dynamic=True`` for workloads whose lengths cannot be bucketed.
-    """
-    return torch.compile(model, dynamic=dynamic, **kwargs)
 
 
 def recompile_count() -> int:
@@ -103,3 +58,28 @@ def check_recompile_budget(count: int | None = None) -> bool:
         stacklevel=2,
     )
     return True
+
+
+class CompileTransform(Transform):
+    """``Config(compile=True)``: torch.compile over the forward *and* the loss, as one function.
+
+    The loss (the fused linear+cross-entropy head included) sits in the same graph as the forward,
+    so Inductor fuses across the model/loss boundary the way torch.compile over a whole training
+    step does. Backward runs from that graph's compiled backward.
+    """
+
+    name = "compile"
+
+    def __init__(self):
+        self._graphs_at_start: int | None = None
+
+    def wrap_runner(self, runner, plan, ctx):
+        return torch.compile(runner)
+
+    def recompiles(self) -> int:
+        """Graphs built after the first step: 0 while shapes (and buckets) are stable."""
+        if self._graphs_at_start is None:  # the first step's compile is not a recompile
+            self._graphs_at_start = recompile_count()
+        count = recompile_count() - self._graphs_at_start
+        check_recompile_budget()
+        return count

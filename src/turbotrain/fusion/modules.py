@@ -2,13 +2,12 @@
 
 Every wrapper saves and loads in the stock layout (habit 8 of STYLE.md): a checkpoint of a fused
 model loads into the original model and back. Wrappers that keep the original parameters
-(linear+act, layernorm+act, the CE head) get that for free; the ones that concatenate weights
+(linear+act, layernorm+act) get that for free; the ones that concatenate weights
 (QKV, SwiGLU gate/up) override ``_save_to_state_dict``/``_load_from_state_dict`` to split and join.
 """
 
 from __future__ import annotations
 
-import warnings
 from typing import Optional, Sequence
 
 import torch
@@ -18,13 +17,11 @@ from torch import Tensor, nn
 from ..errors import FusionError
 from .ops.layernorm_gelu import layernorm_act
 from .ops.linear_act import linear_act
-from .ops.linear_cross_entropy import linear_cross_entropy
 from .ops.qkv import qkv_projection
 from .ops.swiglu import swiglu
 
 __all__ = [
     "FusedLinearAct", "FusedLayerNormAct", "FusedQKVProjection", "QKVSlice", "FusedSwiGLUMLP",
-    "LinearCrossEntropyHead", "FusedLogits",
 ]
 
 
@@ -100,6 +97,11 @@ class FusedQKVProjection(nn.Module):
         return slice(start, start + self.sizes[index])
 
     def output(self, x: Tensor, index: int) -> Tensor:
+        if torch.compiler.is_compiling():
+            # The cache below is Python state Dynamo breaks the graph on (x._version, identity).
+            # Traced, each slice reads one concatenated GEMM on x; the three identical GEMMs are
+            # one node after the graph's common-subexpression pass, so the fusion is kept.
+            return F.linear(x, self.weight, self.bias)[..., self.offsets(index)]
         key = (x._version, torch.is_grad_enabled(), _autocast_dtype(x.device.type))
         cache = self._cache
         if cache is not None and cache[0] is x and cache[1] == key and index not in cache[3]:
@@ -179,30 +181,40 @@ def _copy_rows(state_dict, key, target: Tensor, rows: slice, missing_keys, error
 
 
 class FusedSwiGLUMLP(nn.Module):
-    """down_proj(silu(gate_proj(x)) * up_proj(x)) with gate and up as one (2*hidden, d) GEMM."""
+    """down(silu(gate(x)) * up(x)) with gate and up as one (2*hidden, d) GEMM.
 
-    def __init__(self, gate_proj: nn.Linear, up_proj: nn.Linear, down_proj: nn.Linear):
+    ``names`` are the attribute names the stock MLP held them under (Llama's gate_proj/up_proj/
+    down_proj, Mixtral's w1/w3/w2, ...): the down projection stays a child under its own name and
+    gate/up save and load under theirs, so the state_dict keeps the stock layout.
+    """
+
+    def __init__(self, gate_proj: nn.Linear, up_proj: nn.Linear, down_proj: nn.Linear,
+                 names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")):
         super().__init__()
         if gate_proj.weight.shape != up_proj.weight.shape or (gate_proj.bias is None) != (up_proj.bias is None):
             raise FusionError("gate_proj and up_proj must have one shape and both or neither a bias to fuse")
+        if len(set(names)) != 3 or any("." in n for n in names):
+            raise FusionError(f"names={names!r} must be three distinct attribute names")
+        self.names = tuple(names)
         self.hidden = gate_proj.out_features
         with torch.no_grad():
             weight = torch.cat([gate_proj.weight, up_proj.weight])
             bias = torch.cat([gate_proj.bias, up_proj.bias]) if gate_proj.bias is not None else None
         self.gate_up_weight = nn.Parameter(weight, requires_grad=gate_proj.weight.requires_grad)
         self.gate_up_bias = nn.Parameter(bias) if bias is not None else None
-        self.down_proj = down_proj
+        self.add_module(self.names[2], down_proj)
 
     def forward(self, x: Tensor) -> Tensor:
         gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)
-        return self.down_proj(swiglu(gate_up))
+        return self._modules[self.names[2]](swiglu(gate_up))
 
     def _stock_names(self):
-        yield "gate_proj.weight", self.gate_up_weight, slice(0, self.hidden)
-        yield "up_proj.weight", self.gate_up_weight, slice(self.hidden, 2 * self.hidden)
+        gate, up, _ = self.names
+        yield f"{gate}.weight", self.gate_up_weight, slice(0, self.hidden)
+        yield f"{up}.weight", self.gate_up_weight, slice(self.hidden, 2 * self.hidden)
         if self.gate_up_bias is not None:
-            yield "gate_proj.bias", self.gate_up_bias, slice(0, self.hidden)
-            yield "up_proj.bias", self.gate_up_bias, slice(self.hidden, 2 * self.hidden)
+            yield f"{gate}.bias", self.gate_up_bias, slice(0, self.hidden)
+            yield f"{up}.bias", self.gate_up_bias, slice(self.hidden, 2 * self.hidden)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         for name, t, rows in self._stock_names():
@@ -215,73 +227,3 @@ class FusedSwiGLUMLP(nn.Module):
 
     def extra_repr(self) -> str:
         return f"hidden={self.hidden}, gate/up fused"
-
-
-class FusedLogits:
-    """What a LinearCrossEntropyHead returns in training: the loss is computed without full logits.
-
-    ``workloads.base.cross_entropy_loss`` calls :meth:`cross_entropy_loss`. Any other use (indexing,
-    ``.view``, torch functions) materialises the logits, with a one-time warning that the memory
-    saving is lost for that model.
-    """
-
-    _warned = False
-
-    def __init__(self, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], chunk_rows: Optional[int]):
-        dtype = _autocast_dtype(hidden.device.type)  # captured now: the loss may run outside autocast
-        self.hidden, self.weight, self.bias = _cast(dtype, hidden, weight, bias)
-        self.chunk_rows = chunk_rows
-
-    @property
-    def shape(self) -> torch.Size:
-        return torch.Size((*self.hidden.shape[:-1], self.weight.shape[0]))
-
-    def cross_entropy_loss(self, targets: Tensor, ignore_index: int = -100) -> Tensor:
-        return linear_cross_entropy(self.hidden, self.weight, self.bias, targets, ignore_index, self.chunk_rows)
-
-    def materialize(self) -> Tensor:
-        if not FusedLogits._warned:
-            FusedLogits._warned = True
-            warnings.warn("a fused lm_head output was used as a logits tensor, so the full logits were "
-                          "materialised; compute the loss with workloads.base.cross_entropy_loss (or "
-                          "output.cross_entropy_loss(targets)) to keep the memory saving", stacklevel=3)
-        return F.linear(self.hidden, self.weight, self.bias)
-
-    def float(self) -> Tensor:
-        return self.materialize().float()
-
-    def __getattr__(self, name):
-        if name.startswith("__") or name in ("hidden", "weight", "bias", "chunk_rows"):
-            raise AttributeError(name)  # copy/pickle probes, or a half-built object: no materialising
-        return getattr(self.materialize(), name)
-
-    def __getitem__(self, index):
-        return self.materialize()[index]
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        unwrap = lambda a: a.materialize() if isinstance(a, FusedLogits) else a  # noqa: E731
-        return func(*[unwrap(a) for a in args], **{k: unwrap(v) for k, v in (kwargs or {}).items()})
-
-
-class LinearCrossEntropyHead(nn.Module):
-    """A Linear head that, in training mode, returns FusedLogits (loss without full FP32 logits).
-
-    In eval mode it returns ordinary logits, so generation and metrics code keeps working. The
-    weight is the SAME Parameter as the stock head's (weight tying with the embedding survives).
-    """
-
-    def __init__(self, linear: nn.Linear, chunk_rows: Optional[int] = None):
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight = linear.weight
-        self.bias = linear.bias
-        self.chunk_rows = chunk_rows
-
-    def forward(self, x: Tensor):
-        if self.training:
-            return FusedLogits(x, self.weight, self.bias, self.chunk_rows)
-        return F.linear(x, self.weight, self.bias)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, fused cross-entropy"

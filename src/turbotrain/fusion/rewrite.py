@@ -1,8 +1,10 @@
 """fuse(model): find fusable sites, swap in fused modules, verify each one, roll back failures.
 
-Each site is verified before the real model is touched: the site's unit is deep-copied (and cast
-to ``dtype`` when given), run stock and fused on a sample made from its shapes under one seed, and
-the output, the input grads and every parameter grad are compared. Only then is the real unit
+Sites are found from data flow when an example input is given (the model is run once on it, see
+probe.py), else from module names. Each site is verified before the real model is touched: the
+site's unit is deep-copied (and cast to ``dtype`` when given), run stock and fused under one seed
+on the inputs it received in that run (or, without an example, on a sample made from its shapes),
+and the outputs, the input grads and every parameter grad are compared. Only then is the real unit
 rebuilt, with the same deterministic build. A failing site is left as it was and reported.
 
 >>> mlp = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
@@ -17,16 +19,24 @@ import copy
 import inspect
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
 from ..config import FUSION_PATTERNS
 from ..errors import FusionError, check_choice
+from ..utils import sqnr_db as sqnr
 from .patterns import Site, find_sites
+from .probe import probe
 
-__all__ = ["fuse", "FusionReport", "FusedSite", "RolledBackSite", "rebuild_optimizer", "TOLERANCES", "sqnr"]
+__all__ = ["fuse", "FusionReport", "FusedSite", "RolledBackSite", "ExcludedSite",
+           "TOLERANCES", "sqnr"]
+
+#: Patterns fuse() accepts but leaves to others: the linear+cross-entropy head is the Engine's loss
+#: path (fusion/loss_head.py), so ``Config(fuse=True)`` can name every pattern.
+_NOT_FUSED_HERE = ("linear_cross_entropy",)
 
 #: How close a fused site must be to the stock one, per verification dtype.
 #: ("rel", r): max |fused - stock| <= r * max |stock|, for each output and gradient.
@@ -44,22 +54,12 @@ TOLERANCES = {
 }
 
 
-def sqnr(reference: torch.Tensor, test: torch.Tensor) -> float:
-    """10 log10(|ref|^2 / |ref - test|^2) in dB; inf when they are equal."""
-    ref, err = reference.double(), (reference.double() - test.double())
-    noise = err.pow(2).sum().item()
-    signal = ref.pow(2).sum().item()
-    if noise == 0.0:
-        return math.inf
-    return 10.0 * math.log10(signal / noise) if signal > 0.0 else -math.inf
-
-
 @dataclass
 class FusedSite:
     path: str
     pattern: str
     max_abs_error: dict = field(default_factory=dict)
-    """Per compared quantity ('output', 'grad:input0', 'grad:<param>'): max |fused - stock|."""
+    """Per compared quantity ('output', 'output1', 'grad:input0', 'grad:param3'): max |fused - stock|."""
     min_sqnr_db: float = math.inf
 
 
@@ -71,14 +71,25 @@ class RolledBackSite:
 
 
 @dataclass
+class ExcludedSite:
+    """A site ``filter_fn`` said no to; its modules are left as they are."""
+
+    path: str
+    pattern: str
+
+
+@dataclass
 class FusionReport:
     """What fuse() did. ``param_map`` maps each replaced Parameter to its new Parameter, or to
     ``(new Parameter, row slice)`` where weights were concatenated (QKV, SwiGLU gate/up)."""
 
     fused: list[FusedSite] = field(default_factory=list)
     rolled_back: list[RolledBackSite] = field(default_factory=list)
+    excluded: list[ExcludedSite] = field(default_factory=list)
     param_map: dict = field(default_factory=dict)
     verified_dtype: Optional[torch.dtype] = None
+    found_by: str = "names"
+    """'data flow' when sites were found by probing an example, 'names' for the name-table fallback."""
 
     def rows(self) -> list[tuple[str, str, str, str]]:
         out = []
@@ -86,12 +97,17 @@ class FusionReport:
             err = max(s.max_abs_error.values(), default=float("nan"))
             out.append((s.path, s.pattern, "fused", f"max err {err:.2e}, sqnr {s.min_sqnr_db:.1f} dB"))
         out.extend((s.path, s.pattern, "rolled back", s.reason) for s in self.rolled_back)
+        out.extend((s.path, s.pattern, "excluded", "by filter_fn") for s in self.excluded)
         return out
+
+    def summary(self) -> str:
+        return (f"{len(self.fused)} fused, {len(self.rolled_back)} rolled back, {len(self.excluded)} excluded; "
+                f"sites found by {self.found_by}")
 
     def __rich__(self):
         from rich.table import Table
 
-        table = Table(title=f"fusion ({len(self.fused)} fused, {len(self.rolled_back)} rolled back)")
+        table = Table(title=f"fusion ({self.summary()})")
         for col in ("site", "pattern", "result", "detail"):
             table.add_column(col)
         for row in self.rows():
@@ -101,7 +117,7 @@ class FusionReport:
     def __str__(self) -> str:
         rows = [("site", "pattern", "result", "detail")] + self.rows()
         widths = [max(len(r[i]) for r in rows) for i in range(3)]
-        lines = [f"fusion: {len(self.fused)} fused, {len(self.rolled_back)} rolled back"]
+        lines = [f"fusion: {self.summary()}"]
         lines += ["  ".join(c.ljust(w) for c, w in zip(r[:3], widths)) + "  " + r[3] for r in rows]
         return "\n".join(lines)
 
@@ -110,18 +126,40 @@ class _VerificationFailed(Exception):
     pass
 
 
-def _seeded_run(site: Site, unit: nn.Module, args: tuple):
-    """Output and grads (wrt the float inputs and all parameters) of one run under a fixed seed."""
-    with torch.random.fork_rng(devices=[]):
+def _fresh(sample: tuple) -> tuple:
+    """A copy of (args, kwargs) for one run: new leaf tensors, and copies of stateful objects (a KV
+    cache the probe recorded) so the stock run cannot change what the fused run sees."""
+    def copy_leaf(a):
+        if isinstance(a, torch.Tensor):
+            return a.detach().clone().requires_grad_(a.requires_grad)
+        try:
+            return copy.deepcopy(a)
+        except Exception:
+            return a
+    return pytree.tree_map(copy_leaf, sample)
+
+
+def _float_tensors(tree) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+
+
+def _seeded_run(site: Site, unit: nn.Module, args: tuple, kwargs: dict):
+    """Outputs and grads (wrt the float inputs and all parameters) of one run under a fixed seed."""
+    cuda = sorted({p.device.index for p in unit.parameters() if p.device.type == "cuda"})
+    with torch.random.fork_rng(devices=cuda):  # manual_seed seeds every device: restore those in use
         torch.manual_seed(0)
-        out = site.run(unit, *args)
-    if not isinstance(out, torch.Tensor):
-        raise _VerificationFailed(f"the unit returned {type(out).__name__}, not a tensor")
-    inputs = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+        out = site.run(unit, *args, **kwargs)
+    outs = _float_tensors(out)
+    if not outs:
+        raise _VerificationFailed(f"the unit returned {type(out).__name__}, with no floating-point tensor in it")
+    inputs = [t for t in _float_tensors((args, kwargs)) if t.requires_grad]
     params = [p for p in unit.parameters() if p.requires_grad]
-    upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(out.device, out.dtype)
-    grads = torch.autograd.grad(out, inputs + params, upstream, allow_unused=True)
-    return out.detach(), grads[: len(inputs)], dict(zip(params, grads[len(inputs):]))
+    differentiable = [o for o in outs if o.requires_grad]
+    g = torch.Generator().manual_seed(3)
+    upstream = [torch.randn(o.shape, generator=g).to(o.device, o.dtype) for o in differentiable]
+    grads = (torch.autograd.grad(differentiable, inputs + params, upstream, allow_unused=True)
+             if differentiable and inputs + params else [None] * (len(inputs) + len(params)))
+    return [o.detach() for o in outs], grads[: len(inputs)], dict(zip(params, grads[len(inputs):]))
 
 
 def _compare(name: str, ref, new, dtype, errors: dict, sqnrs: list) -> None:
@@ -152,15 +190,20 @@ def _verify(site: Site, dtype: Optional[torch.dtype]) -> FusedSite:
     first = next(iter(stock.parameters()), None)
     run_dtype = dtype or (first.dtype if first is not None else torch.float32)
     device = first.device if first is not None else torch.device("cpu")
-    args = site.sample(run_dtype, device)
-    out_ref, in_ref, param_ref = _seeded_run(site, stock, args)
+    sample = site.sample(run_dtype, device)
+    stock_inputs, fused_inputs = _fresh(sample), _fresh(sample)
+    out_ref, in_ref, param_ref = _seeded_run(site, stock, *stock_inputs)
     stock_params = list(param_ref)
     trial, pmap = site.build(stock)  # may edit the copy in place: its stock results are taken
-    args = tuple(a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a for a in args)
-    out_new, in_new, param_new = _seeded_run(site, trial, args)
+    out_new, in_new, param_new = _seeded_run(site, trial, *fused_inputs)
+    if len(out_new) != len(out_ref):
+        raise _VerificationFailed(f"the fused unit returned {len(out_new)} tensors instead of {len(out_ref)}")
     errors, sqnrs = {}, []
-    _compare("output", out_ref, out_new, run_dtype, errors, sqnrs)
+    for i, (r, n) in enumerate(zip(out_ref, out_new)):
+        _compare(f"output{i}" if i else "output", r, n, run_dtype, errors, sqnrs)
     for i, (r, n) in enumerate(zip(in_ref, in_new)):
+        if r is None and n is None:
+            continue  # an input the unit does not use (a recorded argument its forward ignores)
         _compare(f"grad:input{i}", r, n, run_dtype, errors, sqnrs)
     unused = set()  # parameters the unit's sample run does not reach in stock either (o_proj for qkv)
     for i, p in enumerate(stock_params):
@@ -180,24 +223,37 @@ def _verify(site: Site, dtype: Optional[torch.dtype]) -> FusedSite:
     return FusedSite(site.path, site.pattern, errors, min(sqnrs, default=math.inf))
 
 
-def fuse(model: nn.Module, patterns=FUSION_PATTERNS, verify: bool = True,
-         dtype: Optional[torch.dtype] = None, *, head: Optional[str] = None) -> FusionReport:
+def fuse(model: nn.Module, patterns=FUSION_PATTERNS, verify: bool = True, dtype: Optional[torch.dtype] = None,
+         *, example: Optional[tuple] = None,
+         filter_fn: Optional[Callable[[nn.Module, str], bool]] = None) -> FusionReport:
     """Swap fused modules into ``model`` in place for every site of the named patterns.
 
-    ``verify`` checks each site on a sample before installing it (in ``dtype``, default the
-    site's own parameter dtype); a site that fails is left unfused and listed with the reason.
-    ``head`` names the Linear to fuse with the loss when it is not called ``lm_head``.
-    Parameters that were concatenated are NEW objects: rebuild the optimizer with
-    :func:`rebuild_optimizer` (or create it after fuse()).
+    ``example`` is ``(args, kwargs)`` as the model is called, e.g. ``((input_ids,), {})`` or
+    ``((), {"input_ids": ids, "attention_mask": mask})``: the model is run once on it (grad on,
+    random state and buffers restored) and sites are found from which module's output feeds which,
+    whatever the modules are called, then verified on the inputs they received. Without it, sites
+    are found by the names in patterns.py and verified on random inputs.
+    ``filter_fn(module, fqn)`` is asked about each site (the module at the site's path: the Linear
+    or LayerNorm of a pair, the module holding q/k/v, the SwiGLU MLP); False leaves it unfused and
+    lists it in ``report.excluded``.
+    ``verify`` checks each site before installing it (in ``dtype``, default the site's own
+    parameter dtype); a site that fails is left unfused and listed with the reason.
+    "linear_cross_entropy" is accepted and left to the Engine's loss path.
+    Parameters that were concatenated are NEW objects: create the optimizer after fuse(), or let
+    the Engine bind it (``turbotrain.optim_layout.bind_optimizer`` with the report's param_map).
     """
     if isinstance(patterns, str):
         patterns = (patterns,)
     for name in patterns:
         check_choice("fusion pattern", name, FUSION_PATTERNS)
-    if head is not None and head not in dict(model.named_modules()):
-        raise FusionError(f"head={head!r} is not a module of the model; pass the dotted path of the head Linear")
-    report = FusionReport(verified_dtype=dtype if verify else None)
-    for site in find_sites(model, tuple(patterns), head=head):
+    patterns = tuple(p for p in patterns if p not in _NOT_FUSED_HERE)
+    trace = probe(model, example) if example is not None and patterns else None
+    report = FusionReport(verified_dtype=dtype if verify else None,
+                          found_by="names" if example is None else "data flow")
+    for site in find_sites(model, patterns, trace):
+        if filter_fn is not None and not filter_fn(model.get_submodule(site.path), site.path):
+            report.excluded.append(ExcludedSite(site.path, site.pattern))
+            continue
         if site.problem is not None:
             report.rolled_back.append(RolledBackSite(site.path, site.pattern, site.problem))
             continue
@@ -216,34 +272,3 @@ def fuse(model: nn.Module, patterns=FUSION_PATTERNS, verify: bool = True,
         report.fused.append(result)
     model.__dict__.setdefault("_turbotrain_param_map", {}).update(report.param_map)
     return report
-
-
-def rebuild_optimizer(optimizer: torch.optim.Optimizer, model_or_report) -> torch.optim.Optimizer:
-    """A new optimizer of the same class and settings whose groups point at the fused parameters.
-
-    Only valid before the optimizer has state (before its first step): moments of concatenated
-    parameters cannot be carried over meaningfully. Create the optimizer after fuse() to avoid this.
-    """
-    pmap = (model_or_report.param_map if isinstance(model_or_report, FusionReport)
-            else model_or_report.__dict__.get("_turbotrain_param_map", {}))
-    if any(len(s) for s in optimizer.state.values()):
-        raise FusionError("the optimizer already has state; call rebuild_optimizer before its first step, "
-                          "or create the optimizer after turbotrain.fusion.fuse()")
-    groups, placed = [], {}
-    for index, group in enumerate(optimizer.param_groups):
-        settings = {k: v for k, v in group.items() if k != "params"}
-        params = []
-        for p in group["params"]:
-            target = pmap.get(p, p)
-            target = target[0] if isinstance(target, tuple) else target
-            if target in placed:
-                if placed[target][1] != settings:
-                    raise FusionError("parameters fused into one tensor sit in param groups with different "
-                                      "settings; put q/k/v (and gate/up) in one group, or fuse without them")
-                continue
-            placed[target] = (index, settings)
-            params.append(target)
-        groups.append({**settings, "params": params})
-    accepted = inspect.signature(type(optimizer).__init__).parameters
-    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
-    return type(optimizer)(groups, **defaults)

@@ -35,9 +35,6 @@ __all__ = [
 
 CHECKPOINT_MODES = ("blocks", "selective")
 
-#: Attribute names tried first when looking for a model's block list (nanoGPT, HF GPT-2/Llama/BERT).
-_BLOCK_LIST_NAMES = ("blocks", "layers", "h", "layer", "transformer.h", "model.layers", "encoder.layer")
-
 _aten = torch.ops.aten
 
 
@@ -144,29 +141,40 @@ def _checkpointed_class(cls: type, mode: str) -> type:
     })
 
 
-def find_block_list(model: nn.Module) -> tuple[str, nn.ModuleList]:
-    """The (path, ModuleList) of the model's repeated blocks.
+def _base_class(module: nn.Module) -> type:
+    return getattr(type(module), "_turbotrain_original_class", type(module))
 
-    Tries the usual attribute names first, then the first ModuleList (in module order) whose
-    entries all have parameters. Raises ConfigError when there is none.
+
+def _is_block_list(module: nn.Module) -> bool:
+    children = list(module.children())
+    return (isinstance(module, (nn.ModuleList, nn.Sequential)) and len(children) >= 2
+            and len({_base_class(c) for c in children}) == 1
+            and all(any(True for _ in c.parameters()) for c in children))
+
+
+def find_block_list(model: nn.Module) -> tuple[str, nn.Module]:
+    """The (path, container) of the model's repeated blocks, found by structure, not by name.
+
+    A block list is an nn.ModuleList or nn.Sequential of two or more modules of one class that hold
+    parameters (HF's ``model.layers``, GPT-2's ``transformer.h``, a user's ``nn.Sequential`` of
+    blocks, whatever it is called). Where there are several (an encoder and a decoder, or a block
+    list nested inside a block), the one holding the most parameters wins. Raises ConfigError when
+    there is none.
     """
-    for name in _BLOCK_LIST_NAMES:
-        try:
-            candidate = model.get_submodule(name)
-        except AttributeError:
-            continue
-        if isinstance(candidate, nn.ModuleList) and len(candidate) > 0:
-            return name, candidate
+    best = None
     for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) > 0:
-            if all(any(True for _ in block.parameters()) for block in module):
-                return name, module
-    raise ConfigError(
-        f"checkpointing found no block list in {type(model).__name__}: it looks for an nn.ModuleList "
-        f"named one of {', '.join(_BLOCK_LIST_NAMES)} or any nn.ModuleList of modules with parameters. "
-        "Fix: hold the repeated layers in an nn.ModuleList (e.g. self.blocks = nn.ModuleList([...])), "
-        "or set Config(checkpoint=None)"
-    )
+        if not _is_block_list(module):
+            continue
+        size = sum(p.numel() for p in module.parameters())
+        if best is None or size > best[0]:
+            best = (size, name, module)
+    if best is None:
+        raise ConfigError(
+            f"checkpointing found no block list in {type(model).__name__}: it looks for an nn.ModuleList or "
+            "nn.Sequential of two or more modules of one class that hold parameters. Fix: hold the repeated "
+            "layers in one (e.g. self.blocks = nn.ModuleList([...])), or set Config(checkpoint=None)"
+        )
+    return best[1], best[2]
 
 
 def checkpointed_blocks(model: nn.Module) -> list[tuple[str, str]]:

@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from ..plan import NORM_MODULE_TYPES
+
 __all__ = ["KeepFp32Mode", "KEEP_FP32_MODULES", "RETURN_INPUT_DTYPE", "RETURN_FP32"]
 
 _LOW = (torch.float16, torch.bfloat16)
@@ -31,10 +33,7 @@ RETURN_FP32 = {
     torch.norm, torch.linalg.vector_norm,
 }
 #: Modules whose parameters stay FP32 when the model is held in low precision.
-KEEP_FP32_MODULES = (
-    nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.modules.batchnorm._BatchNorm, nn.InstanceNorm1d,
-    nn.InstanceNorm2d, nn.InstanceNorm3d,
-)
+KEEP_FP32_MODULES = NORM_MODULE_TYPES
 
 
 def _upcast(value):

@@ -12,6 +12,7 @@ the norm layers' own weights stay FP32.
 from __future__ import annotations
 
 import contextlib
+import logging
 import warnings
 
 import torch
@@ -19,11 +20,14 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from ..errors import ConfigError, HardwareError
+from ..plan import ApplyContext, ModelPlan, StepContext, Transform
 from .config import LossScaleConfig
 from .keep_fp32 import KEEP_FP32_MODULES, KeepFp32Mode
 from .scaler import DynamicLossScaler
 
 __all__ = ["Precision", "resolve_precision", "find_head"]
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 _HEAD_NAMES = ("lm_head", "head", "classifier", "fc_out", "output")
@@ -57,15 +61,28 @@ def _cast_inputs(dtype: torch.dtype):
     return hook
 
 
-class Precision:
-    """The precision side of an Engine: prepare the model and optimizer, then scale, unscale, copy back."""
+def _output_like_input(module, args, output):
+    x = args[0] if args else None
+    if isinstance(x, torch.Tensor) and isinstance(output, torch.Tensor) and output.dtype != x.dtype \
+            and x.is_floating_point():
+        return output.to(x.dtype)
+    return output
+
+
+class Precision(Transform):
+    """The precision transform: cast the model, keep norms (and optionally the head) FP32, hold FP32
+    masters for the optimizer, scale the loss in fp16, copy the masters back after each step."""
+
+    name = "precision"
 
     def __init__(self, mode: str, device: torch.device, loss_scale: LossScaleConfig | None = None,
-                 keep_fp32_head: bool = False):
+                 keep_fp32_head: bool = False, sharded: bool = False):
         self.requested = mode
+        self.sharded = sharded
+        """FSDP holds the FP32 masters (its shards) and computes in self.dtype: leave the model as it is."""
         self.mode, self.reason = resolve_precision(mode, device)
         if mode == "auto":
-            print(f"turbotrain: precision='auto' chose {self.mode!r} ({self.reason})")
+            logger.info("precision='auto' chose %r (%s)", self.mode, self.reason)
         self.device = device
         prefix = self.mode.split("-")[0]
         self.dtype = _DTYPES.get(prefix)  # None for fp32
@@ -74,12 +91,14 @@ class Precision:
         self.keep_fp32_head = keep_fp32_head
         self.scaler = DynamicLossScaler(loss_scale) if self.dtype is torch.float16 else None
         self._pairs: list[tuple[nn.Parameter, nn.Parameter]] = []  # (model param, FP32 master)
-        self._optimizer: torch.optim.Optimizer | None = None
+        self._check_hardware(device)
+
+    def _check_hardware(self, device: torch.device) -> None:
         if self.dtype is torch.float16 and device.type == "cpu":
             warnings.warn(
                 "fp16 on CPU runs, but this CPU's fp16 matmuls are far slower than bf16 ones; "
                 "use precision='bf16-master' for speed (fp16 on CPU is for checking fp16 numerics).",
-                stacklevel=3,
+                stacklevel=4,
             )
         if self.dtype is torch.bfloat16 and device.type == "cpu":
             from .. import hardware
@@ -90,58 +109,56 @@ class Precision:
                     f"{' or '.join(hardware.NATIVE_BF16_FEATURES)} flag): torch emulates it, typically tens "
                     "of times slower than fp32. It trains correctly; for speed here use precision='fp32' "
                     "(what 'auto' picks).",
-                    stacklevel=3,
+                    stacklevel=4,
                 )
-        if self.dtype is torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        if self.dtype is torch.bfloat16 and device.type == "cuda" and not _cuda_bf16_native(device):
             raise HardwareError(
-                f"precision={self.mode!r} needs bf16 support, which this GPU lacks; "
-                "use precision='fp16-master' (or 'auto')."
+                f"precision={self.mode!r} needs native bf16 (compute capability 8.0 or newer), which this "
+                "GPU lacks; use precision='fp16-master' (or 'auto')."
             )
 
-    # -- set-up ------------------------------------------------------------------------------
-    def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        self._optimizer = optimizer
-        if not self.master:
+    # -- the transform -----------------------------------------------------------------------
+    def describe(self) -> str:
+        return f"precision {self.mode} ({self.reason})"
+
+    def apply(self, model: nn.Module, plan: ModelPlan, ctx: ApplyContext) -> None:
+        if not self.master or self.sharded:
             return
-        keep = self._keep_fp32_params(model)
-        master_of: dict[nn.Parameter, nn.Parameter] = {}
+        keep = set(plan.norm_params)
+        if self.keep_fp32_head:
+            keep.update(plan.head_params())
+        norm_modules = {m for m in model.modules() if any(p in plan.norm_params for p in m.parameters(recurse=False))}
         for p in model.parameters():
             if p in keep or not p.is_floating_point():
                 continue
             master = nn.Parameter(p.detach().clone().float(), requires_grad=p.requires_grad)
             p.data = p.data.to(self.dtype)
-            master_of[p] = master
+            plan.master_of[p] = master
             self._pairs.append((p, master))
         for module in model.modules():
-            if isinstance(module, KEEP_FP32_MODULES):
+            if module in norm_modules or isinstance(module, KEEP_FP32_MODULES):
                 continue
             for name, buf in module.named_buffers(recurse=False):
-                if buf.is_floating_point():
+                # index buffers (position ids) are not floating; RoPE's inv_freq is kept FP32 like a norm
+                if buf.is_floating_point() and "inv_freq" not in name:
                     setattr(module, name, buf.to(self.dtype))
-        _repoint_optimizer(optimizer, master_of)
         model.register_forward_pre_hook(_cast_inputs(self.dtype), with_kwargs=True)
-        if self.keep_fp32_head and (head := find_head(model)) is not None:
-            head[1].register_forward_pre_hook(_cast_inputs(torch.float32), with_kwargs=True)
+        for module in norm_modules - {m for m in norm_modules if isinstance(m, KEEP_FP32_MODULES)}:
+            # A hand-written norm (HF's LlamaRMSNorm) multiplies its FP32 weight into the result, which
+            # promotes it to FP32; hand the next matmul the dtype the norm was given, as torch's do.
+            module.register_forward_hook(_output_like_input)
+        if self.keep_fp32_head and plan.head is not None:
+            plan.head.register_forward_pre_hook(_cast_inputs(torch.float32), with_kwargs=True)
 
-    def _keep_fp32_params(self, model: nn.Module) -> set[nn.Parameter]:
-        keep = {p for m in model.modules() if isinstance(m, KEEP_FP32_MODULES) for p in m.parameters()}
-        if self.keep_fp32_head and (head := find_head(model)) is not None:
-            keep.update(head[1].parameters())
-        return keep
-
-    def broadcast_masters(self, src: int = 0) -> None:
+    def broadcast_masters(self, src: int = 0, group=None) -> None:
         """Make every data-parallel rank's FP32 masters equal to rank ``src``'s (then copy back)."""
         if not self._pairs:
             return
         import torch.distributed as dist
 
         for _, m in self._pairs:
-            dist.broadcast(m.data, src=src)
+            dist.broadcast(m.data, src=src, group=group)
         self.after_optimizer_step()
-
-    def bind_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Follow an optimizer that replaced the prepared one over the same (master) parameters."""
-        self._optimizer = optimizer
 
     # -- every step --------------------------------------------------------------------------
     def forward_context(self) -> contextlib.AbstractContextManager:
@@ -156,11 +173,8 @@ class Precision:
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return self.scaler.scale_loss(loss) if self.scaler else loss
 
-    def optimizer_params(self) -> list[nn.Parameter]:
-        return [p for g in self._optimizer.param_groups for p in g["params"]]
-
-    def collect_grads(self) -> list[torch.Tensor]:
-        """Move model grads onto the FP32 masters (master modes); return the grads the optimizer sees."""
+    def before_optimizer_step(self, ctx: StepContext) -> None:
+        """Move model grads onto the FP32 masters (master modes); unscale and flag inf/NaN (fp16)."""
         if self._pairs:
             low, masters = [], []
             for p, m in self._pairs:
@@ -174,16 +188,19 @@ class Precision:
                 p.grad = None
             if masters:
                 torch._foreach_copy_(masters, low)
-        return [p.grad for p in self.optimizer_params() if p.grad is not None]
-
-    def unscale_and_check_(self, grads: list[torch.Tensor]) -> torch.Tensor | None:
-        """fp16: unscale in place and return the on-device inf/NaN flag; other modes: None."""
-        return self.scaler.unscale_and_check_(grads) if self.scaler else None
+        ctx.grads = [p.grad for p in ctx.params if p.grad is not None]
+        if self.scaler:
+            ctx.found_inf = self.scaler.unscale_and_check_([_local(g) for g in ctx.grads])
 
     def after_optimizer_step(self) -> None:
         """Copy the updated FP32 masters back into the low-precision model (one fused copy)."""
         if self._pairs:
             torch._foreach_copy_([p.data for p, _ in self._pairs], [m.data for _, m in self._pairs])
+
+    def reset_grads(self) -> None:
+        for p, m in self._pairs:
+            p.grad = None
+            m.grad = None
 
     @contextlib.contextmanager
     def full_precision_weights(self):
@@ -215,14 +232,12 @@ class Precision:
             self.scaler.load_state_dict(state["scaler"])
 
 
-def _repoint_optimizer(optimizer: torch.optim.Optimizer, mapping: dict) -> None:
-    """Swap parameters inside ``optimizer``'s groups (only before it holds any state)."""
-    if not mapping:
-        return
-    if optimizer.state:
-        raise ConfigError(
-            "the optimizer already holds state (it has stepped); build the Engine with a fresh "
-            "optimizer, then restore a checkpoint with engine.load_state_dict()"
-        )
-    for group in optimizer.param_groups:
-        group["params"] = [mapping.get(p, p) for p in group["params"]]
+def _cuda_bf16_native(device: torch.device) -> bool:
+    from .. import hardware
+
+    return hardware.cuda_bf16_native(device)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (unscaling it in place unscales the DTensor), else the tensor."""
+    return t.to_local() if hasattr(t, "to_local") else t

@@ -2,16 +2,28 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Optional, Union
 
 import torch
 from torch import nn
 
-__all__ = ["Workload", "Batch", "cross_entropy_loss"]
+__all__ = ["Workload", "Batch", "cross_entropy_loss", "user_loss"]
 
-#: (inputs, targets): what Engine.step and the loss take.
-Batch = tuple[torch.Tensor, torch.Tensor]
+#: (inputs, targets) with a loss_fn, or a dict of the model's keyword arguments (a Hugging Face
+#: batch: input_ids, attention_mask, labels) whose loss the model computes itself.
+Batch = Union[tuple[torch.Tensor, torch.Tensor], dict[str, torch.Tensor]]
+
+
+def user_loss(model: nn.Module, loss_fn: Optional[Callable], batch) -> torch.Tensor:
+    """The loss the way a user's loop computes it: ``loss_fn(model(inputs), targets)`` for a pair,
+    ``model(**batch).loss`` (the model's own, Hugging Face style) for a dict without a loss_fn."""
+    if isinstance(batch, Mapping):
+        output = model(**batch)
+        return output.loss if loss_fn is None else loss_fn(output, batch)
+    inputs, targets = batch
+    return loss_fn(model(inputs), targets)
 
 
 @dataclass
@@ -24,29 +36,28 @@ class Workload:
 
     name: str
     kind: str
-    """'text' (targets are next tokens), 'image' or 'tabular'."""
+    """'text' (targets are next tokens or masked tokens), 'image' or 'tabular'."""
     unit: str
     """What throughput is counted in: 'tokens' or 'samples'."""
     items_per_batch: int
     """Tokens (text) or samples (others) in one batch."""
     build_model: Callable[[], nn.Module]
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    loss_fn: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]
+    """loss_fn(output, targets); None when the batches are dicts and the model computes its own
+    loss from ``labels`` (the Hugging Face workloads)."""
     batches: Callable[..., Iterator[Batch]]
     """batches(split='train'|'val', seed=0, device='cpu') -> endless iterator of Batch."""
     description: str = ""
     settings: dict | None = None
     """The hyper-parameters the model and data were built with (for reports)."""
 
+    def loss(self, model: nn.Module, batch) -> torch.Tensor:
+        """This workload's loss of ``model`` on ``batch``, as a user computes it (see user_loss)."""
+        return user_loss(model, self.loss_fn, batch)
+
 
 def cross_entropy_loss(output, targets: torch.Tensor) -> torch.Tensor:
-    """Mean token cross-entropy in FP32, ignoring targets of -100 (padding).
-
-    A fused head (turbotrain.fusion) may return an object with a ``cross_entropy_loss(targets)``
-    method instead of logits, so the loss is computed without materialising FP32 logits.
-    """
-    fused = getattr(output, "cross_entropy_loss", None)
-    if fused is not None:
-        return fused(targets)
+    """Mean token cross-entropy in FP32, ignoring targets of -100 (padding)."""
     logits = output.float()
     return nn.functional.cross_entropy(
         logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100

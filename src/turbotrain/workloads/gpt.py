@@ -149,6 +149,7 @@ class GPT(nn.Module):
         self.max_len = s.T
         self.wte = nn.Embedding(s.vocab_size, s.d)
         self.wpe = nn.Embedding(s.T, s.d)
+        self.is_causal = causal  # lets seq_buckets pad on the right without a mask
         self.blocks = nn.ModuleList(Block(s.d, s.n_head, s.mlp_ratio, causal=causal) for _ in range(s.n_layer))
         self.ln_f = nn.LayerNorm(s.d)
         self.lm_head = nn.Linear(s.d, s.vocab_size, bias=False)

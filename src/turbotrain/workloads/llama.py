@@ -115,6 +115,8 @@ class LlamaBlock(nn.Module):
 class Llama(nn.Module):
     """Token embedding (no position embedding: RoPE), ``blocks``, ``norm``, untied ``lm_head``."""
 
+    is_causal = True  # lets seq_buckets pad on the right without a mask
+
     def __init__(self, s: LlamaSettings):
         super().__init__()
         self.embed_tokens = nn.Embedding(s.vocab_size, s.d)

@@ -40,7 +40,8 @@ def kernel_mode() -> str:
 
 
 def epilogue_frames() -> int:
-    """How many Dynamo frames the fused-op epilogues have compiled in this process."""
+    """How many graphs the fused-op epilogues have compiled in this process (counted as
+    recompile_count counts, so the two can be subtracted)."""
     return _EPILOGUE_FRAMES[0]
 
 
@@ -80,7 +81,7 @@ def epilogue(fn: Callable) -> Callable:
             compiled = variants[key] = torch.compile(clone, dynamic=True, fullgraph=True)
         from torch._dynamo.utils import counters
 
-        before = counters["frames"]["ok"]
+        before = counters["stats"]["unique_graphs"]
         try:
             return compiled(*args, **kwargs)
         except Exception as exc:  # surface any compiler failure as one actionable error
@@ -90,7 +91,7 @@ def epilogue(fn: Callable) -> Callable:
                 "CPU), or set TURBOTRAIN_FUSION_KERNELS=eager to run the fused ops uncompiled."
             ) from exc
         finally:
-            _EPILOGUE_FRAMES[0] += counters["frames"]["ok"] - before
+            _EPILOGUE_FRAMES[0] += counters["stats"]["unique_graphs"] - before
 
     run.reference = fn
     return run

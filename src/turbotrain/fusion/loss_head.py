@@ -1,0 +1,192 @@
+"""Fused linear+cross-entropy in place of the model's head, so the logits are never materialised.
+
+The Engine finds the head by data flow (the Linear whose output is the logits the model returns),
+swaps in a :class:`FusedLossHead` holding the same Parameters (same state_dict keys), and, for each
+training step, arms it with the targets. Armed, the head computes the chunked linear+cross-entropy
+of its input against those targets and hands the model a zero-stride placeholder of the logits'
+shape (no memory), which the Engine never lets reach a loss. The model's own loss path is skipped
+(``labels`` are taken out of the batch), so a Hugging Face model and a user's ``loss_fn`` are
+handled alike.
+
+Whether the loss so computed equals the one the run would compute unfused is not assumed:
+:func:`install_loss_head` checks it on the first batch, in the run's precision, for the loss value
+and the head's weight gradient, with the targets as given and shifted by one (causal LMs), and
+leaves the model as it was, with the reason, when neither matches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..batch import IGNORE_INDEX, Batch, LossContract, is_causal_model
+from .modules import _autocast_dtype
+from .ops.linear_cross_entropy import linear_cross_entropy
+
+__all__ = ["FusedLossHead", "LossHeadResult", "install_loss_head", "LOSS_TOLERANCES"]
+
+#: How close the fused loss must be to the stock one, per run dtype: (relative loss error, minimum
+#: SQNR of the head weight's gradient in dB). bf16 logits are rounded before the stock softmax while
+#: the fused kernel keeps them FP32, so the stock side is the noisier one there.
+LOSS_TOLERANCES = {
+    torch.float32: (1e-4, 60.0),
+    torch.bfloat16: (2e-2, 20.0),
+    torch.float16: (5e-3, 30.0),
+}
+
+
+def shift_left(targets: Tensor) -> Tensor:
+    """targets[:, 1:] padded with IGNORE_INDEX at the end: position t is scored on token t+1."""
+    pad = torch.full_like(targets[:, :1], IGNORE_INDEX)
+    return torch.cat([targets[:, 1:], pad], dim=1)
+
+
+class FusedLossHead(nn.Module):
+    """A Linear head that, when armed with targets, computes the fused loss instead of the logits.
+
+    Unarmed (evaluation, generation, any call the Engine did not arm) it is exactly the Linear.
+    """
+
+    def __init__(self, linear: nn.Linear, shift: bool, chunk_rows: Optional[int] = None):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self.shift = shift
+        self.chunk_rows = chunk_rows
+        self._targets: Optional[Tensor] = None
+        self._loss: Optional[Tensor] = None
+
+    def arm(self, targets: Tensor) -> None:
+        self._targets = targets
+        self._loss = None
+
+    def take_loss(self) -> Tensor:
+        loss, self._loss, self._targets = self._loss, None, None
+        if loss is None:
+            from ..errors import FusionError
+
+            raise FusionError("the fused loss head was armed but the model's forward never called it; "
+                              "train without fuse=('linear_cross_entropy',) for this model")
+        return loss
+
+    def forward(self, x: Tensor) -> Tensor:
+        targets = self._targets
+        if targets is None:
+            return F.linear(x, self.weight, self.bias)
+        self._targets = None
+        if self.shift:
+            targets = shift_left(targets)
+        dtype = _autocast_dtype(x.device.type)
+        w, b = self.weight, self.bias
+        if dtype is not None:  # custom ops are not cast by autocast, so do what it would have done
+            x, w = x.to(dtype), w.to(dtype)
+            b = b.to(dtype) if b is not None else None
+        self._loss = linear_cross_entropy(x, w, b, targets, IGNORE_INDEX, self.chunk_rows)
+        # The model goes on with a placeholder of the logits' shape that costs no memory.
+        return x.new_zeros(()).expand(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"fused cross-entropy{' (causal shift)' if self.shift else ''}")
+
+
+@dataclass
+class LossHeadResult:
+    path: str
+    fused: bool
+    reason: str = ""
+    shift: bool = False
+    loss_rel_error: float = math.nan
+    grad_sqnr_db: float = math.nan
+
+
+def loss_targets(batch: Batch) -> tuple[Optional[Tensor], Batch]:
+    """The targets the fused head scores against, and the batch the model is then called with.
+
+    A mapping gives up its ``labels`` (so the model does not compute its own loss on the
+    placeholder); the tuple contract keeps its targets aside already.
+    """
+    if batch.kind == "mapping":
+        if "labels" not in batch.kwargs:
+            return None, batch
+        kwargs = dict(batch.kwargs)
+        labels = kwargs.pop("labels")
+        return labels, Batch((), kwargs, kind="mapping", size=batch.size)
+    if batch.kind == "tuple" and len(batch.args) == 1:
+        return batch.targets, batch
+    return None, batch
+
+
+def _first_rows(batch: Batch, rows: int) -> Batch:
+    from torch.utils._pytree import tree_map_only
+
+    def cut(t):
+        return t[:rows] if t.dim() and t.shape[0] == batch.size else t
+
+    return Batch(tree_map_only(Tensor, cut, batch.args), tree_map_only(Tensor, cut, batch.kwargs),
+                 tree_map_only(Tensor, cut, batch.targets), kind=batch.kind, size=min(rows, batch.size or rows))
+
+
+def _run(model, head_weight, contract: LossContract, batch: Batch, context, fused: Optional[FusedLossHead]):
+    with torch.random.fork_rng(devices=[]), context():
+        torch.manual_seed(0)  # same dropout masks in the stock and the fused run
+        if fused is None:
+            loss = contract(model, batch)
+        else:
+            targets, call = loss_targets(batch)
+            fused.arm(targets)
+            model(*call.args, **call.kwargs)
+            loss = fused.take_loss()
+    (grad,) = torch.autograd.grad(loss, [head_weight])
+    return loss.detach().float(), grad.detach()
+
+
+def install_loss_head(model: nn.Module, head_path: str, contract: LossContract, example: Batch,
+                      run_dtype: torch.dtype, context=contextlib.nullcontext) -> tuple[LossHeadResult, Optional[FusedLossHead]]:
+    """Swap a FusedLossHead in at ``head_path`` if it reproduces the run's loss on ``example``."""
+    from .rewrite import sqnr
+
+    head = model.get_submodule(head_path)
+    if type(head) is not nn.Linear:
+        return LossHeadResult(head_path, False, f"the head is a {type(head).__name__}, not an nn.Linear"), None
+    targets, _ = loss_targets(example)
+    if targets is None:
+        return LossHeadResult(head_path, False, "the batch carries no targets the head's loss could be fused "
+                              "with (a dict batch needs 'labels'; a tuple batch needs a loss_fn)"), None
+    if not isinstance(targets, Tensor) or targets.is_floating_point() or targets.dim() < 1:
+        return LossHeadResult(head_path, False, "the targets are not integer class indices"), None
+    if not head_path:
+        return LossHeadResult(head_path, False, "the model itself is the head"), None
+    owner_path, _, name = head_path.rpartition(".")
+    owner = model.get_submodule(owner_path)
+    sample = _first_rows(example, 2)
+    ref_loss, ref_grad = _run(model, head.weight, contract, sample, context, None)
+    rel_bound, sqnr_bound = LOSS_TOLERANCES.get(run_dtype, LOSS_TOLERANCES[torch.float32])
+    causal_first = is_causal_model(model) and example.kind == "mapping"
+    tried = []
+    for shift in ((True, False) if causal_first else (False, True)):
+        if shift and targets.dim() < 2:
+            continue
+        fused = FusedLossHead(head, shift)
+        setattr(owner, name, fused)
+        try:
+            loss, grad = _run(model, head.weight, contract, sample, context, fused)
+        except Exception as exc:  # noqa: BLE001 - the user's forward may not run this way; report it
+            setattr(owner, name, head)
+            return LossHeadResult(head_path, False, f"the fused head could not run ({type(exc).__name__}: {exc})"), None
+        rel = abs(float(loss) - float(ref_loss)) / max(abs(float(ref_loss)), 1e-12)
+        ratio = sqnr(ref_grad, grad)
+        if rel <= rel_bound and ratio >= sqnr_bound:
+            return LossHeadResult(head_path, True, shift=shift, loss_rel_error=rel, grad_sqnr_db=ratio), fused
+        setattr(owner, name, head)
+        tried.append(f"{'shifted' if shift else 'as given'}: loss off by {rel:.2g} (allowed {rel_bound:g}), "
+                     f"head grad SQNR {ratio:.1f} dB (needs {sqnr_bound:g})")
+    return LossHeadResult(head_path, False, "the fused loss does not reproduce the run's loss ("
+                          + "; ".join(tried) + "); the loss may do more than cross-entropy on the logits"), None

@@ -1,0 +1,206 @@
+"""The transform protocol and the model plan the transforms share.
+
+Every feature the Engine can switch on (fusion, activation checkpointing, precision, data
+parallel, compile) is a :class:`Transform`. The Engine applies them in one order, builds the
+optimizer from the parameters they leave behind, and then only calls their hooks:
+
+    place(device)              before the model moves: pick the device (data parallel: the rank's GPU)
+    apply(model, plan, ctx)    change the model in place, record what was learnt in the plan
+    wrap_module(module, ...)   wrap the module the forward calls (DDP), after the optimizer exists
+    wrap_runner(runner, ...)   wrap the function that runs forward and loss (torch.compile)
+    forward_context()          around forward and loss (autocast, the FP32 keep-list)
+    accumulate_context(last)   around a micro-batch's backward (DDP's no_sync)
+    scale_loss(loss)           before backward (fp16 loss scaling)
+    before_optimizer_step(ctx) gradients ready: move them to masters, unscale, vote on inf/NaN
+    after_optimizer_step()     the optimizer stepped: copy masters back
+    state_dict / load_state_dict
+
+The :class:`ModelPlan` is where transforms tell each other what they found: which modules are
+norms, which Linear is the head, which fused parameter stands for which stock ones, and which
+FP32 master stands for which model parameter. Fusion writes it, precision and checkpointing read
+it, so an FP32 norm stays FP32 inside a fused LayerNorm+GELU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from torch import nn
+
+__all__ = ["Transform", "ModelPlan", "ApplyContext", "StepContext", "is_norm_module", "find_head", "NORM_MODULE_TYPES"]
+
+
+#: torch's normalisation layers (their parameters stay FP32 in every low-precision mode).
+NORM_MODULE_TYPES = (
+    nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.modules.batchnorm._BatchNorm, nn.InstanceNorm1d,
+    nn.InstanceNorm2d, nn.InstanceNorm3d,
+)
+
+
+def is_norm_module(module: nn.Module) -> bool:
+    """A normalisation layer, whatever library wrote it (torch's, HF's LlamaRMSNorm, a user's).
+
+    Judged by structure first (torch's norm types), then by the class name and the shape of its
+    parameters: a norm holds only 1-D scale/shift vectors.
+    """
+    if isinstance(module, NORM_MODULE_TYPES):
+        return True
+    params = list(module.parameters(recurse=False))
+    name = type(module).__name__.lower()
+    return bool(params) and "norm" in name and all(p.dim() == 1 for p in params) \
+        and not list(module.children())
+
+
+@dataclass
+class ModelPlan:
+    """What the transforms learnt about the model, keyed by Parameter / module identity."""
+
+    norm_params: set = field(default_factory=set)
+    """Parameters of normalisation layers (kept FP32 in every low-precision mode)."""
+    head: Optional[nn.Module] = None
+    """The module that produces the logits the loss reads (a Linear, or the fused loss head)."""
+    head_path: Optional[str] = None
+    fused_from: dict = field(default_factory=dict)
+    """Stock Parameter -> the fused Parameter (or (Parameter, row slice)) that now holds it."""
+    master_of: dict = field(default_factory=dict)
+    """Model Parameter -> its FP32 master (master-weight precision modes)."""
+    loss_head: object = None
+    """The fused linear+cross-entropy head when it replaced the loss (fusion/loss_head.py)."""
+    notes: list = field(default_factory=list)
+    """One line per decision a transform took on its own (printed by the Engine's describe())."""
+
+    def record_norms(self, model: nn.Module) -> None:
+        for module in model.modules():
+            if is_norm_module(module):
+                self.norm_params.update(module.parameters(recurse=False))
+
+    def current(self, param: nn.Parameter) -> nn.Parameter:
+        """The Parameter that now holds ``param``'s values: fused into another, then mastered."""
+        target = self.fused_from.get(param, param)
+        target = target[0] if isinstance(target, tuple) else target
+        return self.master_of.get(target, target)
+
+    def head_params(self) -> list[nn.Parameter]:
+        return list(self.head.parameters()) if self.head is not None else []
+
+
+@dataclass
+class ApplyContext:
+    """What a transform may need while it changes the model."""
+
+    device: torch.device
+    example: object = None
+    """The first batch (already on the device), for transforms that probe the model."""
+    optimizer: Optional[torch.optim.Optimizer] = None
+    """Set only for the wrap hooks: the optimizer the Engine steps."""
+    loss_contract: object = None
+    """The Engine's batch/loss contract (batch.py), for transforms that verify against the loss."""
+    dtype: Optional[torch.dtype] = None
+    """The low-precision dtype the run computes in (None for FP32), so sites are verified in it."""
+    forward_context: object = None
+    """A callable returning the run's forward context (autocast, FP32 keep-list)."""
+
+
+@dataclass
+class StepContext:
+    """What the hooks around an optimizer step share."""
+
+    params: list = field(default_factory=list)
+    """The parameters the optimizer steps (FP32 masters in the master modes)."""
+    grads: list = field(default_factory=list)
+    """The gradients the optimizer will see (after before_optimizer_step)."""
+    found_inf: Optional[torch.Tensor] = None
+    """On-device inf/NaN flag (fp16 loss scaling), agreed across ranks."""
+
+
+class Transform:
+    """The base of every Engine feature. Every hook is optional; the defaults do nothing."""
+
+    name: str = "transform"
+    #: True when apply() needs the first batch (the Engine then applies it lazily, at the first step).
+    needs_example: bool = False
+
+    def place(self, device: torch.device) -> torch.device:
+        return device
+
+    def apply(self, model: nn.Module, plan: ModelPlan, ctx: ApplyContext) -> None:
+        pass
+
+    def wrap_module(self, module: nn.Module, plan: ModelPlan, ctx: ApplyContext) -> nn.Module:
+        return module
+
+    def wrap_runner(self, runner, plan: ModelPlan, ctx: ApplyContext):
+        return runner
+
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def accumulate_context(self, closes_step: bool) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss
+
+    def before_optimizer_step(self, ctx: StepContext) -> None:
+        pass
+
+    def after_optimizer_step(self) -> None:
+        pass
+
+    def reset_grads(self) -> None:
+        """Drop any gradient the transform holds (after a step, or after a failed one)."""
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+    def describe(self) -> str:
+        return self.name
+
+
+def _logits_of(output) -> Optional[torch.Tensor]:
+    logits = getattr(output, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    if isinstance(output, torch.Tensor):
+        return output if output.dim() >= 2 else None
+    if isinstance(output, (tuple, list)):
+        return next((t for t in output if isinstance(t, torch.Tensor) and t.dim() >= 2), None)
+    return None
+
+
+def find_head(model: nn.Module, run=None) -> Optional[str]:
+    """The qualified name of the Linear whose output is the logits the model returns.
+
+    Found by data flow when ``run`` (a callable that runs the model once) is given: every Linear's
+    output is recorded and compared with the returned logits. Without it, or when the logits are
+    not a Linear's output, a Hugging Face model's ``get_output_embeddings()`` is asked; there is no
+    guessing by names.
+    """
+    if run is not None:
+        outputs: dict[int, str] = {}
+        handles = []
+        for name, module in model.named_modules():
+            if isinstance(module, nn.Linear):
+                handles.append(module.register_forward_hook(
+                    lambda mod, args, out, name=name: outputs.__setitem__(out.data_ptr(), name)
+                    if isinstance(out, torch.Tensor) else None))
+        try:
+            with torch.no_grad():
+                logits = _logits_of(run())
+        finally:
+            for h in handles:
+                h.remove()
+        if logits is not None and logits.data_ptr() in outputs:
+            return outputs[logits.data_ptr()]
+    get = getattr(model, "get_output_embeddings", None)
+    if callable(get):
+        head = get()
+        if isinstance(head, nn.Linear):
+            return next(n for n, m in model.named_modules() if m is head)
+    return None

@@ -1,0 +1,322 @@
+"""Engine v2's contract with the user: their optimizer and scheduler objects, their batches, their loss,
+and a consistent Engine after any error."""
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from turbotrain import Config, ConfigError, Engine, TurbotrainError
+from turbotrain.comm import DataParallelConfig
+
+F = nn.functional
+
+
+class OwnLossLM(nn.Module):
+    """nanoGPT's shape: forward(idx, targets) returns (logits, loss)."""
+
+    def __init__(self, vocab=32, d=16):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, idx, targets=None):
+        logits = self.head(self.emb(idx))
+        loss = None if targets is None else F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        return logits, loss
+
+
+class DictModel(nn.Module):
+    """A Hugging Face-shaped model: keyword inputs, an output object with .loss when labels are given."""
+
+    def __init__(self, vocab=32, d=16):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, input_ids, attention_mask=None, labels=None):
+        h = self.emb(input_ids)
+        if attention_mask is not None:
+            h = h * attention_mask[..., None]
+        logits = self.head(h)
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+        return type("Out", (), {"loss": loss, "logits": logits})()
+
+
+class MeanPoolClassifier(nn.Module):
+    """Not causal: every position reads every other, so right padding changes its output."""
+
+    def __init__(self, vocab=32, d=16, classes=3, takes_mask=False):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.out = nn.Linear(d, classes)
+        self.takes_mask = takes_mask
+        if takes_mask:
+            self.forward = self._masked_forward
+
+    def forward(self, ids):
+        return self.out(self.emb(ids).mean(1))
+
+    def _masked_forward(self, ids, attention_mask=None):
+        h = self.emb(ids)
+        if attention_mask is None:
+            return self.out(h.mean(1))
+        m = attention_mask[..., None].to(h.dtype)
+        return self.out((h * m).sum(1) / m.sum(1))
+
+
+def ids(b=4, t=6, vocab=32, seed=0):
+    return torch.randint(0, vocab, (b, t), generator=torch.Generator().manual_seed(seed))
+
+
+def test_the_optimizer_passed_in_is_the_one_stepped_and_user_changes_take_effect():
+    model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    engine = Engine(model, opt, F.cross_entropy, config=Config(device="cpu", precision="bf16-master"))
+    assert engine.optimizer is opt
+    batch = (torch.randn(4, 8), torch.tensor([0, 1, 0, 1]))
+    engine.step(batch)
+    for group in opt.param_groups:
+        group["lr"] = 0.0
+    before = [p.detach().clone() for p in model.parameters()]
+    engine.step(batch)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_an_optimizer_and_scheduler_factory_are_built_over_the_transformed_parameters():
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 2))
+    seen = {}
+
+    def make_opt(params):
+        seen["params"] = list(params)
+        return torch.optim.AdamW(seen["params"], lr=1e-2)
+
+    engine = Engine(model, make_opt, F.cross_entropy, config=Config(device="cpu", precision="bf16-master"),
+                    scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5))
+    assert all(p.dtype == torch.float32 for p in seen["params"])  # FP32 masters, not the bf16 model
+    assert model[0].weight.dtype == torch.bfloat16
+    engine.step((torch.randn(4, 8), torch.tensor([0, 1, 0, 1])))
+    assert engine.scheduler.optimizer is engine.optimizer
+    assert engine.optimizer.param_groups[0]["lr"] == pytest.approx(5e-3)
+
+
+def test_foreign_optimizer_parameters_are_refused_and_missing_ones_named():
+    model = nn.Linear(4, 2)
+    with pytest.raises(ConfigError, match="not the model's"):
+        Engine(model, torch.optim.SGD(nn.Linear(4, 2).parameters(), lr=0.1), F.cross_entropy)
+    with pytest.warns(UserWarning, match="bias"):
+        Engine(model, torch.optim.SGD([model.weight], lr=0.1), F.cross_entropy)
+
+
+def test_a_scheduler_on_another_optimizer_is_refused():
+    model = nn.Linear(4, 2)
+    other = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ConfigError, match="another optimizer"):
+        Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy,
+               scheduler=torch.optim.lr_scheduler.StepLR(other, 1))
+
+
+def test_onebit_adam_is_chosen_by_the_user_never_swapped_in():
+    from turbotrain.comm.ddp import prepare
+
+    with pytest.raises(ConfigError, match="OneBitAdam"):
+        model = nn.Linear(4, 2)
+        prepare(model, torch.optim.AdamW(model.parameters()), DataParallelConfig(compression="onebit"))
+
+
+def test_a_dict_batch_is_passed_as_keywords_and_the_models_own_loss_trains():
+    torch.manual_seed(0)
+    model = DictModel()
+    engine = Engine(model, torch.optim.AdamW(model.parameters(), lr=3e-2), config=Config(device="cpu"))
+    x = ids()
+    batch = {"input_ids": x, "attention_mask": torch.ones_like(x), "labels": x}
+    losses = [float(engine.step(batch).loss) for _ in range(30)]
+    assert losses[-1] < 0.5 * losses[0]
+
+
+def test_a_dict_batch_with_a_loss_fn_gets_the_whole_batch():
+    model = DictModel()
+    got = {}
+
+    def loss_fn(output, batch):
+        got["keys"] = sorted(batch)
+        return F.cross_entropy(output.logits.flatten(0, 1), batch["target"].flatten())
+
+    engine = Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn, config=Config(device="cpu"))
+    with pytest.raises(TypeError):  # every key is passed to the model: an unknown one is the model's error
+        engine.step({"input_ids": ids(), "target": ids()})
+    assert engine.steps == 0
+
+
+def test_a_tuple_batch_without_loss_fn_uses_the_models_forward_targets():
+    torch.manual_seed(0)
+    model = OwnLossLM()
+    engine = Engine(model, torch.optim.AdamW(model.parameters(), lr=3e-2), config=Config(device="cpu"))
+    x = ids()
+    losses = [float(engine.step((x, x)).loss) for _ in range(20)]
+    assert losses[-1] < 0.5 * losses[0]
+
+
+@pytest.mark.parametrize("loss_fn, match", [
+    (lambda out, t: F.cross_entropy(out, t, reduction="none"), r"shape \(4,\).*reduction='mean'"),
+    (lambda out, t: 3, "not a tensor"),
+    (lambda out, t: torch.tensor(3), "0-d floating"),
+    (lambda out, t: F.cross_entropy(out, t).detach(), "does not require grad"),
+])
+def test_a_loss_that_is_not_a_0d_float_with_grad_is_refused(loss_fn, match):
+    model = nn.Linear(8, 3)
+    engine = Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn, config=Config(device="cpu"))
+    with pytest.raises(ConfigError, match=match):
+        engine.step((torch.randn(4, 8), torch.tensor([0, 1, 2, 0])))
+    assert engine.steps == 0
+
+
+def test_a_model_without_its_own_loss_says_what_it_returned():
+    model = nn.Linear(8, 3)
+    engine = Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), config=Config(device="cpu"))
+    with pytest.raises(ConfigError, match=r"shape \(4, 3\)"):
+        engine.step(torch.randn(4, 8))
+    model = DictModel()
+    engine = Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), config=Config(device="cpu"))
+    with pytest.raises(ConfigError, match="'labels'"):
+        engine.step({"input_ids": ids()})
+
+
+@pytest.mark.parametrize("bad, match", [
+    ((torch.randn(0, 8), torch.zeros(0, dtype=torch.long)), "empty tensor"),
+    ({}, "empty mapping"),
+    ({1: torch.zeros(2)}, "keys must be strings"),
+    ([1, 2, 3], "a batch must be"),
+])
+def test_bad_batches_are_refused_before_any_work(bad, match):
+    model = nn.Linear(8, 3)
+    engine = Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy, config=Config(device="cpu"))
+    with pytest.raises(ConfigError, match=match):
+        engine.step(bad)
+    assert engine.steps == 0
+
+
+def test_after_a_caught_nan_error_the_next_good_batch_trains():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 3))
+    engine = Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy,
+                    config=Config(device="cpu", nan_check=True, accumulate=2))
+    good = (torch.randn(4, 8), torch.tensor([0, 1, 2, 0]))
+    engine.step(good)  # half-way through an accumulated step
+    bad = (torch.full((4, 8), float("nan")), good[1])
+    with pytest.raises(TurbotrainError, match="inf/NaN"):
+        engine.step(bad)
+    assert all(p.grad is None for p in model.parameters())
+    stats = [engine.step(good) for _ in range(2)]
+    assert stats[-1].optimizer_stepped and engine.steps == 1
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_seq_buckets_refuse_to_pad_a_model_that_takes_no_mask():
+    model = MeanPoolClassifier()
+    engine = Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy,
+                    config=Config(device="cpu", seq_buckets=(8,)))
+    with pytest.raises(ConfigError, match="attention_mask"):
+        engine.step((ids(t=6), torch.tensor([0, 1, 2, 0])))
+
+
+def test_seq_buckets_pass_a_mask_so_a_non_causal_loss_is_unchanged():
+    torch.manual_seed(0)
+    model = MeanPoolClassifier(takes_mask=True)
+    x, y = ids(t=6), torch.tensor([0, 1, 2, 0])
+    plain = F.cross_entropy(model(x), y)
+    engine = Engine(model, torch.optim.SGD(model.parameters(), lr=0.0), F.cross_entropy,
+                    config=Config(device="cpu", seq_buckets=(8,)))
+    torch.testing.assert_close(engine.step((x, y)).loss, plain.detach())
+
+
+def test_seq_buckets_pad_a_dict_batch_with_its_mask_and_labels():
+    torch.manual_seed(0)
+    model = DictModel()
+    x = ids(t=6)
+    mask = torch.ones_like(x)
+    mask[0, -2:] = 0
+    labels = x.masked_fill(mask == 0, -100)
+    plain = model(input_ids=x, attention_mask=mask, labels=labels).loss
+    engine = Engine(model, torch.optim.SGD(model.parameters(), lr=0.0), config=Config(device="cpu", seq_buckets=(8,)))
+    torch.testing.assert_close(engine.step({"input_ids": x, "attention_mask": mask, "labels": labels}).loss,
+                               plain.detach())
+
+
+def test_config_must_be_a_config():
+    with pytest.raises(ConfigError, match="turbotrain.Config"):
+        Engine(nn.Linear(2, 2), lambda p: torch.optim.SGD(p, lr=0.1), config={"precision": "fp32"})
+
+
+def test_no_warning_for_a_plain_fp32_run():
+    model = nn.Linear(8, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        engine = Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy, config=Config(device="cpu"))
+        engine.step((torch.randn(8, 8), torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])))
+
+
+def _gpt(seed=0):
+    from turbotrain.workloads import get_workload
+
+    work = get_workload("gpt", d=32, n_layer=2, n_head=4, T=16, B=4, vocab_size=512)
+    stream = work.batches("train", seed=seed)
+    return work, [next(stream) for _ in range(6)]
+
+
+def test_with_fusion_the_users_optimizer_is_stepped_and_lr_zero_freezes_the_model():
+    work, data = _gpt()
+    model = work.build_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    engine = Engine(model, opt, work.loss_fn, config=Config(device="cpu", fuse=("qkv", "linear_cross_entropy")))
+    engine.step(data[0])
+    assert engine.optimizer is opt and engine.fusion_report.fused
+    for group in opt.param_groups:
+        group["lr"] = 0.0
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    engine.step(data[1])
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("first, second", [(("qkv", "linear_cross_entropy"), False),
+                                           (False, ("qkv", "linear_cross_entropy"))])
+def test_a_fused_run_resumes_unfused_and_back_with_the_same_losses(tmp_path, first, second):
+    """Model and optimizer state are saved in the stock layout, so the resumed run continues exactly."""
+    work, data = _gpt()
+
+    def engine(fuse):
+        torch.manual_seed(0)
+        model = work.build_model()
+        return Engine(model, torch.optim.AdamW(model.parameters(), lr=1e-2), work.loss_fn,
+                      config=Config(device="cpu", fuse=fuse))
+
+    straight = engine(first)
+    losses = [float(straight.step(b).loss) for b in data]
+    saved = engine(first)
+    for b in data[:3]:
+        saved.step(b)
+    saved.save(tmp_path / "ck.pt")
+    with pytest.warns(UserWarning, match="different config"):
+        resumed = Engine.load(tmp_path / "ck.pt", work.build_model(), lambda p: torch.optim.AdamW(p, lr=1e-2),
+                              work.loss_fn, config=Config(device="cpu", fuse=second))
+    after = [float(resumed.step(b).loss) for b in data[3:]]
+    assert resumed.steps == 6
+    # fused and unfused kernels sum in another order: equal to fp32 rounding, not bitwise
+    torch.testing.assert_close(torch.tensor(after), torch.tensor(losses[3:]), rtol=1e-4, atol=1e-5)
+
+
+def test_a_checkpoint_of_another_optimizer_class_is_refused(tmp_path):
+    work, data = _gpt()
+    model = work.build_model()
+    engine = Engine(model, torch.optim.AdamW(model.parameters(), lr=1e-2), work.loss_fn, config=Config(device="cpu"))
+    engine.step(data[0])
+    engine.save(tmp_path / "ck.pt")
+    from turbotrain import CheckpointError
+
+    model = work.build_model()
+    with pytest.raises(CheckpointError, match="AdamW"):
+        Engine.load(tmp_path / "ck.pt", model, torch.optim.SGD(model.parameters(), lr=0.1), work.loss_fn,
+                    config=Config(device="cpu"))

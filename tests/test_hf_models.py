@@ -1,0 +1,106 @@
+"""Hugging Face models trained as their users train them: dict batches with padding, the model's own
+``labels=`` loss, no loss_fn, through Engine(model, optimizer, config=Config(...))."""
+
+import copy
+
+import pytest
+import torch
+
+from turbotrain import Config, Engine
+from turbotrain.memory import checkpointed_blocks
+
+from hf_models import FAMILIES, batches, build, unpadded_row
+
+#: What Config(fuse=True) fuses in each family (README lists the same). GPT-2's attention and MLP
+#: projections are transformers' Conv1D, not nn.Linear, so only its head's loss is fused.
+EXPECTED_FUSED = {
+    "llama": {"qkv", "swiglu", "linear_cross_entropy"},
+    "gpt2": {"linear_cross_entropy"},
+    "bert": {"qkv", "linear_act", "linear_cross_entropy"},
+}
+
+
+def train(family, config, steps, seed=0, data=None):
+    model = build(family, seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    engine = Engine(model, opt, config=config)
+    assert engine.optimizer is opt or not engine.ready
+    losses = [float(engine.step(b).loss) for b in (data or batches(family, steps))]
+    assert engine.optimizer is opt
+    return engine, losses
+
+
+def fused_patterns(engine) -> set:
+    report = engine.fusion_report
+    found = {s.pattern for s in report.fused}
+    head = engine._transform("fusion").loss_head
+    if head is not None and head.fused:
+        found.add("linear_cross_entropy")
+    return found
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_models_own_loss_trains_and_low_precision_stays_within_1pct_of_fp32(family):
+    data = batches(family, 50)
+    _, ref = train(family, Config(device="cpu"), 50, data=data)
+    assert ref[-1] < 0.8 * ref[0]
+    for precision in ("bf16-master", "bf16-mixed", "fp16-master"):
+        _, losses = train(family, Config(device="cpu", precision=precision), 50, data=data)
+        assert abs(losses[-1] - ref[-1]) <= 0.01 * ref[-1] + 0.02, (precision, losses[-1], ref[-1])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fuse_true_fuses_every_family_it_lists_and_keeps_the_loss(family):
+    data = batches(family, 20)
+    _, ref = train(family, Config(device="cpu", precision="bf16-master"), 20, data=data)
+    engine, losses = train(family, Config(device="cpu", precision="bf16-master", fuse=True), 20, data=data)
+    assert fused_patterns(engine) >= EXPECTED_FUSED[family], engine.describe()
+    assert abs(losses[-1] - ref[-1]) <= 0.01 * ref[-1] + 0.02
+    # the fused model saves in the stock layout: its state_dict loads into the plain HF model
+    plain = build(family, seed=1)
+    plain.load_state_dict(engine.state_dict()["model"])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_checkpoint_blocks_finds_the_decoder_or_encoder_layers(family):
+    data = batches(family, 10)
+    _, ref = train(family, Config(device="cpu"), 10, data=data)
+    engine, losses = train(family, Config(device="cpu", checkpoint="blocks"), 10, data=data)
+    assert len(checkpointed_blocks(engine.module)) == 2
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_new_users_script_compiles_once_and_trains(family):
+    """The issue's acceptance script: auto precision, fuse=True, compile=True, no loss_fn."""
+    torch._dynamo.reset()
+    engine, losses = train(family, Config(precision="auto", fuse=True, compile=True), 20)
+    stats = engine.step(batches(family, 1, seed=5)[0])
+    assert stats.recompiles == 0
+    assert losses[-1] < losses[0]
+    assert fused_patterns(engine)
+
+
+def test_seq_buckets_give_one_graph_per_bucket_on_hf_llama():
+    torch._dynamo.reset()
+    model = build("llama")
+    engine = Engine(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                    config=Config(device="cpu", compile=True, seq_buckets=(16, 32)))
+    lengths = (10, 16, 20, 13, 31, 8)
+    for i, t in enumerate(lengths):
+        stats = engine.step(batches("llama", 1, seed=i, t=t)[0])
+    assert stats.recompiles <= 1  # the second bucket's graph
+
+
+@pytest.mark.parametrize("family", ["llama", "bert"])
+def test_padding_for_buckets_leaves_the_loss_of_each_row_unchanged(family):
+    """Causal (llama) and bidirectional (bert): a right-padded row scores as the row alone."""
+    model = build(family)
+    model.eval()
+    batch = batches(family, 1, t=12)[0]
+    row = unpadded_row(batch, 0)  # length 7
+    engine = Engine(model, torch.optim.SGD(model.parameters(), lr=0.0), config=Config(device="cpu", seq_buckets=(16,)))
+    padded_loss = engine.eval_loss([row])
+    with torch.no_grad():
+        alone = float(copy.deepcopy(model)(**row).loss)
+    assert padded_loss == pytest.approx(alone, rel=1e-5)
