@@ -2,26 +2,25 @@
 
 from __future__ import annotations
 
-import argparse
 import doctest
+import io
 import json
 import statistics
 
 import pytest
 import torch
 
-from turbotrain.comm import ladder
-from turbotrain.comm.ladder import (
-    DP_ROWS,
-    add_cli,
+from turbotrain.bench import dp_ladder as ladder
+from turbotrain.bench.dp_ladder import (
     check_link,
     comm_overhead,
-    dp_bench_main,
     link_floor_seconds,
     parse_rate,
     row_metrics,
     run_dp_ladder,
+    shape_link_script,
 )
+from turbotrain.cli import build_parser, main
 from turbotrain.errors import ConfigError, HardwareError
 
 #: The fixed key columns every benchmark row carries (the single-process bench's schema).
@@ -100,23 +99,37 @@ def test_bad_names_and_sizes_raise_before_any_job():
         run_dp_ladder(warmup=1, quick=True)
 
 
-def test_cli_registers_dp_bench_and_reports_bad_configs(capsys):
-    parser = argparse.ArgumentParser()
-    add_cli(parser.add_subparsers())
-    args = parser.parse_args(["dp-bench", "--configs", "ddp,nope", "--quick"])
-    assert args.func is dp_bench_main
-    assert args.func(args) == 2
-    assert "nope" in capsys.readouterr().err
+def test_bench_nproc_runs_the_dp_ladder_and_reports_bad_configs(tmp_path, capsys):
+    assert main(["bench", "--nproc", "2", "--configs", "ddp,nope", "--quick", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("turbotrain bench: error:") and "'nope'" in err[0]
 
 
-def test_bench_parser_can_take_only_the_dp_options():
-    # turbotrain bench already defines --steps, --quick, ...; shared=False must not collide with them
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int)
-    parser.add_argument("--quick", action="store_true")
-    ladder.add_dp_arguments(parser, shared=False)
-    args = parser.parse_args(["--nproc", "2", "--link", "1gbit", "--steps", "3"])
+def test_dp_bench_is_gone_bench_nproc_has_its_options(capsys):
+    # `bench --nproc` is the data-parallel ladder; the duplicate `dp-bench` command was removed
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["dp-bench"])
+    assert "invalid choice: 'dp-bench'" in capsys.readouterr().err
+    args = build_parser().parse_args(["bench", "--nproc", "2", "--link", "1gbit", "--steps", "3"])
     assert (args.nproc, args.link, args.steps) == (2, "1gbit", 3)
+
+
+def test_shape_link_script_ships_as_package_data():
+    path = shape_link_script()
+    assert path.is_file() and path.name == "shape-link.sh"
+    assert "turbotrain/bench/data" in path.as_posix()  # found through the package, not the source tree
+
+
+def test_error_with_rich_markup_is_printed_literally_after_the_results_are_written(tmp_path, monkeypatch):
+    from rich.console import Console
+
+    monkeypatch.setattr(ladder, "_run_job", lambda spec, *a: {"status": "error", "error": "boom [/] [red]x",
+                                                             "job_seconds": 0.0})
+    console = Console(file=io.StringIO(), width=200)
+    doc = run_dp_ladder(configs=["ddp"], quick=True, precision="fp32", out_dir=tmp_path, console=console)
+    assert json.loads((tmp_path / "dp_results.json").read_text()) == doc
+    assert doc["configs"]["ddp"]["error"] == "boom [/] [red]x"
+    assert "boom [/] [red]x" in console.file.getvalue()  # escaped, so neither a MarkupError nor red
 
 
 @pytest.mark.dist

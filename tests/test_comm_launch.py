@@ -1,4 +1,4 @@
-"""`turbotrain launch` and `turbotrain comm-bench` end to end: two gloo ranks under torchrun."""
+"""`turbotrain launch` and `turbotrain comm-bench` end to end: gloo ranks under torchrun."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from turbotrain.comm.bench import bus_factor
+from turbotrain.bench.comm_bench import bus_factor
 
 pytestmark = pytest.mark.dist
 
@@ -50,6 +50,58 @@ def test_launch_starts_torchrun_ranks_with_the_preset(tmp_path):
     for r, row in enumerate(rows):
         assert row == dict(rank=r, world=2, local=r, backend="gloo", launcher="torchrun", total=3.0,
                            algo="Ring", socks="4", arg="hello")
+
+
+# Inside the job: where is the rendezvous, and which sockets of this rank and of torchrun's agent (its
+# parent) are listening? /proc/net/tcp{,6} lists every socket by inode; /proc/PID/fd names the
+# inodes a process holds. Address 0.0.0.0 / :: means every interface.
+LISTENERS = textwrap.dedent("""
+    import json, os, sys
+
+    def inodes(pid):
+        out = set()
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                out.add(target[8:-1])
+        return out
+
+    def listening(pids):
+        mine = set().union(*(inodes(p) for p in pids))
+        found = []
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            with open(table) as f:
+                for line in f.read().splitlines()[1:]:
+                    cols = line.split()
+                    if cols[3] == "0A" and cols[9] in mine:  # state 0A = LISTEN
+                        found.append(cols[1].split(":")[0])
+        return found
+
+    row = dict(addr=os.environ.get("MASTER_ADDR"), port=os.environ.get("MASTER_PORT"),
+               listening=listening([os.getpid(), os.getppid()]))
+    with open(sys.argv[1], "w") as f:
+        json.dump(row, f)
+""")
+ANY_ADDRESS = {"00000000", "00000000000000000000000000000000"}  # 0.0.0.0 and :: in /proc's hex
+LOOPBACK = {"0100007F", "0000000000000000FFFF00000100007F", "00000000000000000000000001000000"}
+
+
+def test_launch_binds_the_rendezvous_to_loopback(tmp_path):
+    script = tmp_path / "listeners.py"
+    script.write_text(LISTENERS)
+    out = tmp_path / "row.json"
+    cmd = [sys.executable, "-m", "turbotrain.cli", "launch", "--nproc", "1", str(script), str(out)]
+    proc = subprocess.run(cmd, env=_clean_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "--standalone" not in proc.stdout
+    row = json.loads(out.read_text())
+    assert row["addr"] == "127.0.0.1"
+    assert row["listening"], "torchrun's agent should hold the rendezvous store's listening socket"
+    assert not set(row["listening"]) & ANY_ADDRESS, row  # the store is on loopback, not on every interface
+    assert set(row["listening"]) <= LOOPBACK, row
 
 
 def test_launch_refuses_invalid_nccl_override(tmp_path):

@@ -5,10 +5,13 @@
 'bf16-master'
 """
 
+import logging
+
 from .checkpoint import load_model_weights
 from .comm.config import DataParallelConfig
 from .config import Config
 from .engine import Engine, StepStats
+from .parallel.config import ParallelConfig
 from .errors import (
     CheckpointError, ConfigError, DistributedError, FusionError, HardwareError, LossScaleError,
     TurbotrainError, UnknownWorkloadError,
@@ -17,9 +20,15 @@ from .precision.config import LossScaleConfig
 
 __version__ = "0.1.0"
 
+# Library code logs through logging.getLogger(__name__) and never prints; an application (or the
+# `turbotrain` command) decides what reaches the terminal. Without a handler of its own, Python would
+# show our warnings through its last-resort handler.
+logging.getLogger(__name__).addHandler(logging.NullHandler())
+
 __all__ = [
     # training
-    "Engine", "StepStats", "Config", "LossScaleConfig", "DataParallelConfig", "load_model_weights",
+    "Engine", "StepStats", "Config", "LossScaleConfig", "DataParallelConfig", "ParallelConfig",
+    "load_model_weights",
     # errors
     "TurbotrainError", "ConfigError", "UnknownWorkloadError", "CheckpointError", "HardwareError",
     "DistributedError", "LossScaleError", "FusionError",

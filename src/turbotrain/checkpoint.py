@@ -49,7 +49,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-logger.addHandler(logging.NullHandler())
 
 #: 2 adds state["integrity"]; format 1 files (no hashes) still load, with a CheckpointWarning.
 FORMAT_VERSION = 2

@@ -1,9 +1,12 @@
-"""The benchmark ladder: each config trains the same workload, same seed and same batches, in its
-own process; the report shows step time, throughput, speed-up, memory, MFU and loss next to the
-plain-PyTorch peers.
+"""The benchmark harness: it imports the library, and nothing in the library imports it.
 
-Run it as ``turbotrain bench [--quick]``; register a row with ``register_config`` (see
-turbotrain.bench.configs). Results schema: docs/benchmark-schema.md.
+* ``runner`` / ``worker``: the ladder. Each config trains the same workload, same seed and same
+  batches, in its own process; the report shows step time, throughput, speed-up, memory, MFU and
+  loss next to the plain-PyTorch peers. ``turbotrain bench [--quick]``; register a row with
+  ``register_config`` (see turbotrain.bench.configs). Results schema: docs/benchmark-schema.md.
+* ``dp_ladder`` / ``dp_worker``: the data-parallel ladder, ``turbotrain bench --nproc 2``.
+* ``comm_bench``: nccl-tests style collective bandwidth, ``turbotrain comm-bench``.
+* ``fusion_timing``: each fused op against its reference, ``python -m turbotrain.bench.fusion_timing``.
 """
 
 from .configs import (
@@ -19,7 +22,6 @@ from .configs import (
 
 __all__ = [
     # running
-    "add_cli",
     "run_ladder",
     "LadderSettings",
     # registry
@@ -34,16 +36,10 @@ __all__ = [
 ]
 
 
-def add_cli(subparsers) -> None:
-    """Register ``turbotrain bench`` (imported lazily so ``import turbotrain.bench`` stays light)."""
-    from .cli import add_cli as _add_cli
-
-    _add_cli(subparsers)
-
-
 def __getattr__(name):
+    # lazy, so `import turbotrain.bench` (the registry) stays light
     if name in ("run_ladder", "LadderSettings"):
         from . import runner
 
         return getattr(runner, name)
-    raise AttributeError(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

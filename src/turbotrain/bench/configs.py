@@ -1,10 +1,16 @@
 """The registry of benchmark configs: every row of the ladder is one named recipe.
 
 A config is a ``build(workload, device) -> Trainer`` function. The Trainer owns its model and
-optimizer and exposes ``step(batch) -> loss``, ``eval_loss(batches) -> float``, ``model`` and
-``compute_dtype`` ('fp32', 'bf16' or 'fp16': the dtype the matmuls run in, which picks the peak
-MFU is divided by). Each config runs in its own worker process, so a build may do anything
-(compile, patch modules) without leaking into the next row.
+optimizer and exposes ``step(batch) -> loss``, ``eval_loss(batches) -> float``, ``model``,
+``optimizer`` and ``compute_dtype`` ('fp32', 'bf16' or 'fp16': the dtype the matmuls run in, which
+picks the peak MFU is divided by). Each config runs in its own long-lived worker process, so a
+build may do anything (compile, patch modules) without leaking into another row.
+
+Every row builds its optimizer with ``make_optimizer``: one AdamW implementation (fused) and one
+set of hyper-parameters for the whole ladder, so no row is credited with another's optimizer.
+Each row also declares the val-loss tolerance it must stay within of the fp32 row
+(``loss_tolerance``, by default ``LOSS_TOLERANCE`` of its compute dtype); a row outside it is
+marked FAILED in the report.
 
 Adding a row takes one call in any module listed in CONFIG_MODULES (or named in the
 TURBOTRAIN_BENCH_PLUGINS environment variable, comma-separated, for configs outside turbotrain):
@@ -42,16 +48,35 @@ __all__ = [
     "resolve_names",
     "make_optimizer",
     "OPTIMIZER_SETTINGS",
+    "OPTIMIZER_IMPLEMENTATION",
     "CONFIG_MODULES",
     "COMPUTE_DTYPES",
+    "LOSS_TOLERANCE",
     "BASELINE",
+    "REFERENCE",
+    "INSTANCE_MARK",
+    "config_of",
 ]
 
 #: Modules whose import registers configs; load_config_modules() imports them (and the plugins).
 CONFIG_MODULES = ("turbotrain.bench.peers", "turbotrain.bench.tt")
 COMPUTE_DTYPES = ("fp32", "bf16", "fp16")
-#: The row speed-ups and val-loss deltas are relative to.
+#: The fp32 row: speed-ups, val-loss deltas and every row's loss check are relative to it.
 BASELINE = "fp32-eager"
+#: The strongest peer (torch.compile over the training step): every row's ratio_vs_ref, with its
+#: bootstrap interval, is taken against it, and it runs twice (the A/A pair) to show the noise.
+REFERENCE = "torch-compile-step"
+#: Separates a config name from an instance number in a row name: ``torch-compile-step#2`` is the
+#: second worker of that config (the A/A row). Reserved, so no config name may contain it.
+INSTANCE_MARK = "#"
+
+#: Val-loss tolerance per compute dtype, in percent of the fp32 row's val loss. fp32 rows differ
+#: from fp32-eager only by summation order (fused kernels, compiled graphs): after tens of steps
+#: that moves the loss by ~1e-4 relative, so 0.2% leaves room without hiding a bug. bf16 keeps 8
+#: mantissa bits: rounding the activations (and, in the master-weight modes, the weights) moves the
+#: short-run loss by a few tenths of a percent, so 1% is the bar. fp16 has 3 more mantissa bits
+#: than bf16 but a loss scale that may skip steps; the same 1%.
+LOSS_TOLERANCE = {"fp32": 0.2, "bf16": 1.0, "fp16": 1.0}
 
 #: One set of AdamW hyper-parameters for every row, so losses differ only by the config under test.
 #: The learning rate is constant (no warm-up or decay): the ladder runs tens of steps to compare
@@ -60,15 +85,28 @@ BASELINE = "fp32-eager"
 OPTIMIZER_SETTINGS = {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 
 
-def make_optimizer(params, **extra) -> torch.optim.AdamW:
-    """AdamW with OPTIMIZER_SETTINGS; ``extra`` only for implementation choices such as fused=True."""
-    return torch.optim.AdamW(params, **OPTIMIZER_SETTINGS, **extra)
+#: The implementation every row's AdamW uses. fused=True is one kernel over params, grads and both
+#: moments (CPU and CUDA, fp32/bf16/fp16 params since torch 2.4) and is what a careful user picks;
+#: the ladder used to give it to some rows and foreach to others, which credited those rows with
+#: the optimizer's speed. Now no row can: make_optimizer takes no implementation arguments.
+OPTIMIZER_IMPLEMENTATION = {"fused": True}
+
+
+def make_optimizer(params) -> torch.optim.AdamW:
+    """The ladder's AdamW: OPTIMIZER_SETTINGS with OPTIMIZER_IMPLEMENTATION, for every row."""
+    return torch.optim.AdamW(params, **OPTIMIZER_SETTINGS, **OPTIMIZER_IMPLEMENTATION)
+
+
+def config_of(row: str) -> str:
+    """The registered config a ladder row runs: ``'torch-compile-step#2'`` -> ``'torch-compile-step'``."""
+    return row.split(INSTANCE_MARK, 1)[0]
 
 
 class Trainer(Protocol):
     """What a config's build returns."""
 
     model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
     compute_dtype: str
 
     def step(self, batch) -> torch.Tensor:
@@ -96,6 +134,9 @@ class BenchConfig:
     fp32_twin: str | None = None
     """The row the default ladder runs instead where this row's dtype is slower than fp32 (a CPU
     without native bf16 matmul); None when an fp32 row already covers it."""
+    loss_tolerance: float | None = None
+    """Percent of the fp32 row's val loss this row's val loss may differ by before it is FAILED;
+    None for LOSS_TOLERANCE of its compute dtype."""
 
     def is_default_on(self, device: str) -> bool:
         return self.default if isinstance(self.default, bool) else device in self.default
@@ -103,23 +144,33 @@ class BenchConfig:
     def dtype_on(self, device: str) -> str:
         return self.dtype if isinstance(self.dtype, str) else dict(self.dtype)[device]
 
+    def tolerance_on(self, device: str) -> float:
+        """The val-loss tolerance (percent of the fp32 row's) this row declares on ``device``."""
+        return self.loss_tolerance if self.loss_tolerance is not None else LOSS_TOLERANCE[self.dtype_on(device)]
+
 
 _REGISTRY: dict[str, BenchConfig] = {}
 
 
 def register_config(name: str, description: str, build: Callable | None = None, *,
                     default: bool | tuple[str, ...] = True, group: str = "turbotrain", replace: bool = False,
-                    dtype: str | dict[str, str] = "fp32", fp32_twin: str | None = None):
+                    dtype: str | dict[str, str] = "fp32", fp32_twin: str | None = None,
+                    loss_tolerance: float | None = None):
     """Register a config; without ``build`` it returns a decorator. Names are unique unless ``replace``.
 
     ``dtype`` is the matmul dtype ('fp32', 'bf16', 'fp16', or {device: dtype}); ``fp32_twin`` names
-    the row that stands in for this one where that dtype is slower than fp32 (see BenchConfig).
+    the row that stands in for this one where that dtype is slower than fp32; ``loss_tolerance``
+    overrides the dtype's val-loss tolerance (see BenchConfig).
     """
     if build is None:
         return lambda fn: register_config(name, description, fn, default=default, group=group, replace=replace,
-                                          dtype=dtype, fp32_twin=fp32_twin)
-    if not name or any(c in name for c in " ,"):
-        raise ConfigError(f"config name {name!r} must be non-empty without spaces or commas (--configs splits on ',')")
+                                          dtype=dtype, fp32_twin=fp32_twin, loss_tolerance=loss_tolerance)
+    if not name or any(c in name for c in (" ", ",", INSTANCE_MARK)):
+        raise ConfigError(f"config name {name!r} must be non-empty without spaces, commas (--configs splits on ',') "
+                          f"or {INSTANCE_MARK!r} (it numbers a config's second worker, as in A/A rows)")
+    if loss_tolerance is not None and (isinstance(loss_tolerance, bool) or not isinstance(loss_tolerance, (int, float))
+                                       or loss_tolerance <= 0):
+        raise ConfigError(f"loss_tolerance={loss_tolerance!r} of config {name!r} must be a percentage > 0 (or None)")
     if name in _REGISTRY and not replace:
         raise ConfigError(f"benchmark config {name!r} is already registered; pick another name or pass replace=True")
     if not isinstance(default, bool):
@@ -131,7 +182,7 @@ def register_config(name: str, description: str, build: Callable | None = None, 
         if d not in COMPUTE_DTYPES:
             raise ConfigError(f"dtype {d!r} of config {name!r} must be one of {', '.join(COMPUTE_DTYPES)}")
     dtype = dtype if isinstance(dtype, str) else tuple(sorted(dtype.items()))
-    _REGISTRY[name] = BenchConfig(name, description, build, default, group, dtype, fp32_twin)
+    _REGISTRY[name] = BenchConfig(name, description, build, default, group, dtype, fp32_twin, loss_tolerance)
     return build
 
 
@@ -158,8 +209,10 @@ def list_configs(group: str | None = None) -> list[BenchConfig]:
 
 
 def get_config(name: str) -> BenchConfig:
-    """The config called ``name``; UnknownWorkloadError lists the valid names otherwise."""
+    """The config called ``name`` (or run by row ``name``, e.g. an A/A ``...#2``); UnknownWorkloadError
+    lists the valid names otherwise."""
     load_config_modules()
+    name = config_of(name)
     if name not in _REGISTRY:
         raise UnknownWorkloadError(f"unknown benchmark config {name!r}; valid configs: {', '.join(_REGISTRY)}")
     return _REGISTRY[name]
@@ -174,7 +227,7 @@ def resolve_names(names: Iterable[str]) -> list[str]:
     """Validate a --configs list (duplicates dropped, order kept)."""
     out: list[str] = []
     for name in names:
-        get_config(name)
+        name = get_config(name).name  # a row name ('...#2') names its config
         if name not in out:
             out.append(name)
     return out

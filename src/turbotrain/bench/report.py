@@ -5,16 +5,23 @@ from __future__ import annotations
 import base64
 import html
 import json
-import os
+import math
 from pathlib import Path
 
+from ..utils import atomic_write, require
 from .configs import BASELINE, get_config
-from .stats import achieved_flops, mfu, relative_change, slow_dtypes, summarize, throughput
+from .stats import (achieved_flops, bootstrap_ratio_ci, mfu, relative_change, round_times, slow_dtypes, speed_ratio,
+                    summarize, throughput)
 
-__all__ = ["config_metrics", "build_results", "write_reports", "train_loss_window", "SCHEMA", "CHARTS"]
+__all__ = ["config_metrics", "loss_check", "ratio_to_reference", "build_results", "write_results", "write_reports",
+           "write_charts", "train_loss_window", "table_cells", "SCHEMA", "CHARTS", "TABLE_COLUMNS", "TIMED_METRICS"]
 
-SCHEMA = "turbotrain-bench/1"
-CHARTS = ("throughput", "speedup", "memory", "loss")
+SCHEMA = "turbotrain-bench/2"
+CHARTS = ("throughput", "vs_ref", "memory", "loss")
+#: Metrics derived from the step time: each carries the row's ratio to the reference.
+TIMED_METRICS = ("step_time", "throughput", "achieved_flops", "mfu", "mfu_bf16")
+_GROUP_COLORS = {"peer": "#f58518", "turbotrain": "#4c78a8"}
+_OTHER_COLOR = "#54a24b"
 
 
 def train_loss_window(steps: int) -> int:
@@ -55,7 +62,7 @@ def config_metrics(header: dict, result: dict, baseline: dict | None) -> dict[st
     window = train_loss_window(len(result["step_seconds"]))
     out["train_loss"] = _metric("nats", sum(result["losses"][-window:]) / window)
     out["val_loss"] = _metric("nats", result["val_loss"])
-    if baseline and baseline.get("status") == "ok":
+    if baseline and baseline.get("status") in ("ok", "FAILED"):
         base_median = summarize(baseline["step_seconds"]).median
         out["speedup"] = _metric("x", base_median / times["median"])
         out["val_loss_delta"] = _metric("%", relative_change(result["val_loss"], baseline["val_loss"]))
@@ -66,102 +73,194 @@ def _mfu_at(peak: float):
     return lambda flops, seconds: mfu(flops, seconds, peak)
 
 
+def loss_check(row: str, result: dict, baseline: dict | None, device: str) -> dict:
+    """Whether ``row``'s val loss is within its declared tolerance of the fp32 row's.
+
+    ``passed`` is True/False, or None when there is no fp32 row to check against.
+    """
+    tolerance = get_config(row).tolerance_on(device)
+    out = {"reference": BASELINE, "tolerance_pct": tolerance, "delta_pct": None, "passed": None}
+    if not baseline or baseline.get("status") not in ("ok", "FAILED") or not math.isfinite(baseline["val_loss"]):
+        return {**out, "message": f"not checked: {BASELINE} did not run or did not finish"}
+    value, base = result["val_loss"], baseline["val_loss"]
+    delta = relative_change(value, base) if math.isfinite(value) else math.nan
+    passed = math.isfinite(delta) and abs(delta) <= tolerance
+    verdict = "within" if passed else "outside"
+    return {**out, "delta_pct": delta, "passed": passed,
+            "message": f"val loss {value:.4f} is {delta:+.2f}% from {BASELINE}'s {base:.4f}, "
+                       f"{verdict} its {tolerance:g}% tolerance"}
+
+
+def ratio_to_reference(result: dict, reference: dict | None) -> tuple[float | None, list[float] | None]:
+    """(reference median / row median, its 95% bootstrap interval) over per-round times, or (None, None)."""
+    if not reference or reference.get("status") not in ("ok", "FAILED"):
+        return None, None
+    ref, row = round_times(reference["round_seconds"]), round_times(result["round_seconds"])
+    if not ref or not row:
+        return None, None
+    lo, hi = bootstrap_ratio_ci(ref, row)
+    return speed_ratio(ref, row), [lo, hi]
+
+
 def build_results(header: dict, raw: dict[str, dict]) -> dict:
-    """The results.json document: header, long-format rows, and per-config detail."""
-    baseline = raw.get(BASELINE)
-    common = {"workload": header["workload"]["name"], "device": header["run"]["device"],
+    """The results.json document: header, long-format rows, and per-row detail.
+
+    A row that ran is 'ok' or, when its val loss leaves its tolerance of the fp32 row, 'FAILED'
+    (it keeps its metrics, so the figures stay on the page next to the verdict); a row that did
+    not finish is 'error' and has no metrics.
+    """
+    run = header["run"]
+    baseline, reference = raw.get(BASELINE), raw.get(run.get("reference"))
+    common = {"workload": header["workload"]["name"], "device": run["device"],
               "versions": header["versions"], "timestamp": header["timestamp"]}
     rows, configs = [], {}
     for name, result in raw.items():
         config = get_config(name)
         detail = {"description": config.description, "group": config.group, **result}
-        if result.get("status") == "ok":
+        if name != config.name:
+            detail["instance_of"] = config.name  # the A/A row: a second worker of the same config
+        if result.get("status") in ("ok", "FAILED"):
+            check = loss_check(name, result, baseline, run["device"])
+            detail["status"] = "FAILED" if check["passed"] is False else "ok"
+            detail["loss_check"] = check
             detail["metrics"] = config_metrics(header, result, baseline)
-            rows += [{**common, "config": name, "metric": metric, **value}
-                     for metric, value in detail["metrics"].items()]
+            ratio, ci = ratio_to_reference(result, reference)
+            detail["ratio_vs_ref"], detail["ratio_ci95"] = ratio, ci
+            for metric, value in detail["metrics"].items():
+                timed = metric in TIMED_METRICS
+                rows.append({**common, "config": name, "metric": metric, **value,
+                             "ratio_vs_ref": ratio if timed else None, "ratio_ci95": ci if timed else None,
+                             "rounds": result.get("rounds"), "status": detail["status"]})
         configs[name] = detail
     return {"schema": SCHEMA, "header": header, "rows": rows, "configs": configs}
 
 
 # ------------------------------------------------------------------------------------------ charts
-def _ok(results: dict) -> dict[str, dict]:
-    return {n: c for n, c in results["configs"].items() if c.get("status") == "ok"}
+def _measured(results: dict) -> dict[str, dict]:
+    """Rows with metrics, peers first (then ladder order), so the charts set them apart."""
+    ran = {n: c for n, c in results["configs"].items() if "metrics" in c}
+    return dict(sorted(ran.items(), key=lambda item: item[1]["group"] != "peer"))
 
 
-def _bar_chart(ax, results: dict, metric: str, scale: float, ylabel: str):
-    ok = _ok(results)
-    names = [n for n, c in ok.items() if metric in c["metrics"]]
-    values = [ok[n]["metrics"][metric] for n in names]
-    medians = [v["median"] / scale for v in values]
-    errs = None
-    if values and values[0]["p20"] is not None:
-        errs = [[(v["median"] - v["p20"]) / scale for v in values], [(v["p80"] - v["median"]) / scale for v in values]]
-    ax.bar(names, medians, yerr=errs, capsize=3, color="#4c78a8")
+def _style(config: dict) -> dict:
+    style = {"color": _GROUP_COLORS.get(config["group"], _OTHER_COLOR)}
+    if config.get("instance_of"):
+        style["alpha"] = 0.55  # the A/A row: the reference again, drawn lighter
+    if config["status"] == "FAILED":
+        style.update(hatch="//", edgecolor="#d62728", linewidth=1.5)
+    return style
+
+
+def _label(name: str, config: dict) -> str:
+    label = f"{name} (A/A)" if config.get("instance_of") else name
+    return f"{label} (FAILED)" if config["status"] == "FAILED" else label
+
+
+def _bars(ax, rows: dict, values: list[float], errors, ylabel: str):
+    names = list(rows)
+    for i, name in enumerate(names):
+        err = None if errors is None else [[errors[0][i]], [errors[1][i]]]
+        ax.bar(i, values[i], yerr=err, capsize=3, **_style(rows[name]))
+    ax.set_xticks(range(len(names)), [_label(n, rows[n]) for n in names], rotation=30, ha="right")
+    peers = sum(1 for c in rows.values() if c["group"] == "peer")
+    if 0 < peers < len(names):
+        ax.axvline(peers - 0.5, color="grey", ls=":", lw=1)
+    from matplotlib.patches import Patch
+
+    handles = [Patch(color=c, label=g) for g, c in (("peer (plain PyTorch)", _GROUP_COLORS["peer"]),
+                                                     ("turbotrain", _GROUP_COLORS["turbotrain"]))]
+    ax.legend(handles=handles, fontsize=7, loc="best")
     ax.set_ylabel(ylabel)
-    ax.tick_params(axis="x", rotation=30)
-    for label in ax.get_xticklabels():
-        label.set_horizontalalignment("right")
+
+
+def _metric_chart(ax, results: dict, metric: str, scale: float, ylabel: str):
+    rows = {n: c for n, c in _measured(results).items() if metric in c["metrics"]}
+    values = [rows[n]["metrics"][metric] for n in rows]
+    medians = [v["median"] / scale for v in values]
+    errors = None
+    if values and values[0]["p20"] is not None:
+        errors = [[(v["median"] - v["p20"]) / scale for v in values], [(v["p80"] - v["median"]) / scale for v in values]]
+    _bars(ax, rows, medians, errors, ylabel)
+
+
+def _ratio_chart(ax, results: dict):
+    reference = results["header"]["run"].get("reference")
+    rows = {n: c for n, c in _measured(results).items() if c.get("ratio_vs_ref") is not None}
+    ratios = [rows[n]["ratio_vs_ref"] for n in rows]
+    errors = [[r - rows[n]["ratio_ci95"][0] for n, r in zip(rows, ratios)],
+              [rows[n]["ratio_ci95"][1] - r for n, r in zip(rows, ratios)]]
+    _bars(ax, rows, ratios, errors, "throughput / reference's (x, 95% CI)")
+    ax.axhline(1.0, color="black", lw=1.2, ls="--")
+    if reference:
+        ax.annotate(f"reference: {reference}", xy=(0, 1.0), xycoords=("axes fraction", "data"),
+                    xytext=(4, 4), textcoords="offset points", fontsize=7)
 
 
 def _draw(kind: str, ax, results: dict):
     unit = results["header"]["workload"]["unit"]
     if kind == "throughput":
-        _bar_chart(ax, results, "throughput", 1.0, f"{unit}/s (median, p20-p80)")
-    elif kind == "speedup":
-        _bar_chart(ax, results, "speedup", 1.0, f"speed-up vs {BASELINE} (x)")
-        ax.axhline(1.0, color="grey", lw=0.8)
+        _metric_chart(ax, results, "throughput", 1.0, f"{unit}/s (median, p20-p80)")
+    elif kind == "vs_ref":
+        _ratio_chart(ax, results)
     elif kind == "memory":
-        _bar_chart(ax, results, "peak_memory", 2**20, "peak memory (MiB)")
+        _metric_chart(ax, results, "peak_memory", 2**20, "peak memory (MiB)")
     else:
         warmup = results["header"]["run"]["warmup"]
-        for name, c in _ok(results).items():
-            ax.plot(range(1, len(c["losses"]) + 1), c["losses"], label=name, lw=1.2)
+        for name, c in _measured(results).items():
+            ax.plot(range(1, len(c["losses"]) + 1), c["losses"], label=_label(name, c), lw=1.2,
+                    ls="--" if c["group"] == "peer" else "-")
         if warmup:
             ax.axvspan(0.5, warmup + 0.5, color="grey", alpha=0.15, label="warm-up")
         ax.set_xlabel("step")
         ax.set_ylabel("train loss")
-        ax.legend(fontsize=7)
-    ax.set_title(kind)
+        if ax.get_legend_handles_labels()[0]:  # every row failed and no warm-up: nothing to label
+            ax.legend(fontsize=7)
+    ax.set_title({"vs_ref": "throughput vs the reference"}.get(kind, kind))
 
 
 def write_charts(results: dict, out_dir: Path) -> list[Path]:
     """One PNG per chart in CHARTS (matplotlib, Agg backend)."""
-    import matplotlib
-
+    matplotlib = require("matplotlib", "bench", "the benchmark report's charts")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     paths = []
     for kind in CHARTS:
-        fig, ax = plt.subplots(figsize=(7, 4))
+        fig, ax = plt.subplots(figsize=(8, 4.5))
         _draw(kind, ax, results)
         fig.tight_layout()
         path = out_dir / f"{kind}.png"
-        fig.savefig(path, dpi=100)
+        atomic_write(path, lambda f, fig=fig: fig.savefig(f, format="png", dpi=100))
         plt.close(fig)
         paths.append(path)
     return paths
 
 
 # -------------------------------------------------------------------------------------------- html
-TABLE_COLUMNS = ("config", "step s median (p20-p80)", "throughput", "speed-up", "peak mem", "MFU",
-                 "MFU@bf16", "ops/step", "train loss", "val loss", "Δval vs fp32")
+TABLE_COLUMNS = ("config", "status", "step s median (p20-p80)", "throughput", "vs best peer (95% CI)",
+                 "speed-up vs fp32", "peak mem", "MFU", "MFU@bf16", "ops/step", "train loss", "val loss",
+                 "Δval vs fp32 (tol)")
 
 
 def table_cells(name: str, config: dict, unit: str) -> list[str]:
     """The report's table row for one config (shared by the terminal table and the HTML)."""
-    if config.get("status") != "ok":
-        return [name, f"error: {config.get('error', 'unknown')}"] + [""] * (len(TABLE_COLUMNS) - 2)
+    if "metrics" not in config:
+        return [name, config.get("status", "?"), f"{config.get('error', '')}"] + [""] * (len(TABLE_COLUMNS) - 3)
     m = config["metrics"]
 
     def fmt(metric, pattern, scale=1.0):
         return pattern.format(m[metric]["median"] * scale) if metric in m else "—"
 
     st = m["step_time"]
+    ratio, ci = config.get("ratio_vs_ref"), config.get("ratio_ci95")
+    check = config.get("loss_check", {})
+    delta = fmt("val_loss_delta", "{:+.2f}%") + (f" (±{check['tolerance_pct']:g}%)" if check else "")
     return [
         name,
+        config["status"],
         f"{st['median']:.3f} ({st['p20']:.3f}-{st['p80']:.3f})",
         fmt("throughput", "{:,.0f} " + unit + "/s"),
+        f"{ratio:.2f}x ({ci[0]:.2f}-{ci[1]:.2f})" if ratio is not None else "—",
         fmt("speedup", "{:.2f}x"),
         fmt("peak_memory", "{:,.0f} MiB", 2**-20),
         fmt("mfu", "{:.1f}% " + config["compute_dtype"], 100),
@@ -169,7 +268,7 @@ def table_cells(name: str, config: dict, unit: str) -> list[str]:
         fmt("ops_per_step", "{:,.0f}"),
         fmt("train_loss", "{:.4f}"),
         fmt("val_loss", "{:.4f}"),
-        fmt("val_loss_delta", "{:+.2f}%"),
+        delta,
     ]
 
 
@@ -179,22 +278,33 @@ def _html_table(header_cells, rows) -> str:
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
+def _peak_text(env: dict, peak: dict | None) -> str:
+    text = ", ".join(f"{d} {v / 1e9:.1f} GFLOP/s" for d, v in env["matmul_peak_flops"].items())
+    if peak:
+        where = "; ".join(f"{d}: best at {v['best_gemm']}, {v['source']} ({v['reason']}), load average "
+                          f"{', '.join(f'{x:.2f}' for x in v['loadavg'])} when measured"
+                          for d, v in peak["detail"].items())
+        text += f" ({where})"
+    return text + f" [{env['matmul_peak_method']}]"
+
+
 def write_html(results: dict, out_dir: Path, charts: list[Path]) -> Path:
     h = results["header"]
     env = h["environment"]
     hw = env["hardware"]
+    run = h["run"]
     env_rows = [
         ("device", hw["device"] + (f" {hw['cuda_name']} (capability {hw['cuda_capability']})" if hw["cuda_name"] else "")),
         ("cpu", f"{hw['cpu_model']}, {hw['cpu_count']} logical CPUs, torch threads {hw['torch_threads']}"),
         ("cpu features", ", ".join(hw["cpu_features"]) or "none"),
         ("versions", ", ".join(f"{k} {v}" for k, v in h["versions"].items())),
-        ("matmul peak", ", ".join(f"{d} {v / 1e9:.1f} GFLOP/s" for d, v in env["matmul_peak_flops"].items())
-         + f" ({env['matmul_peak_method']})"),
+        ("matmul peak (MFU denominator)", _peak_text(env, h.get("peak"))),
         ("copy bandwidth", f"{env['memory_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s"),
         ("recommended precision", f"{env['recommended_precision']}: {env['recommended_precision_reason']}"),
         ("workload", f"{h['workload']['name']} {json.dumps(h['workload']['settings'])}"),
         ("FLOPs per step", f"{h['flops_per_step'] / 1e9:.2f} GFLOP ({h['flop_conventions']})"),
-        ("run", json.dumps(h["run"])),
+        ("measurement", h.get("measurement", "")),
+        ("run", json.dumps(run)),
         ("timestamp", h["timestamp"]),
     ] + [("note", n) for n in h["notes"]]
     unit = h["workload"]["unit"]
@@ -208,20 +318,28 @@ td,th{{border:1px solid #ccc;padding:3px 8px;font-size:13px;text-align:left}}fig
 </head><body><h1>turbotrain bench: {html.escape(h['workload']['name'])}</h1>
 <h2>Environment</h2>{_html_table(("", ""), env_rows)}
 <h2>Results</h2>{_html_table(TABLE_COLUMNS, rows)}
-<p>MFU = FLOPs per step / median step time / measured matmul peak of the row's compute dtype
-(and of bf16 for every row). Speed-up and Δval are relative to {BASELINE}.</p>
+<p>vs best peer = the reference's median per-round step time over the row's ({html.escape(str(run.get('reference')))},
+the strongest peer), with its 95% bootstrap interval over {run.get('rounds')} interleaved rounds;
+{html.escape(str(run.get('aa_row') or 'no A/A row'))} is the reference run again in its own worker: its interval is
+the noise floor. FAILED: the val loss left the row's tolerance of {BASELINE}'s. MFU = FLOPs per step / median step
+time / matmul peak of the row's compute dtype (and of bf16 for every row). Speed-up and Δval are relative to
+{BASELINE}.</p>
 <h2>Charts</h2>{images}</body></html>"""
     path = out_dir / "report.html"
-    path.write_text(doc, encoding="utf-8")
+    atomic_write(path, doc)
     return path
+
+
+def write_results(results: dict, out_dir: Path) -> Path:
+    """``out_dir/results.json``, replaced atomically (the ladder rewrites it after every round)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path = out_dir / "results.json"
+    atomic_write(json_path, json.dumps(results, indent=1))
+    return json_path
 
 
 def write_reports(results: dict, out_dir: Path) -> list[Path]:
     """results.json, the PNG charts and report.html in ``out_dir``; returns their paths."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    json_path = out_dir / "results.json"
-    tmp = json_path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(results, indent=1))
-    os.replace(tmp, json_path)
+    json_path = write_results(results, out_dir)
     charts = write_charts(results, out_dir)
     return [json_path, write_html(results, out_dir, charts), *charts]

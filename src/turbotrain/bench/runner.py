@@ -1,44 +1,54 @@
-"""The ladder: environment first, then every config in its own worker, a live table, then reports."""
+"""The ladder: environment first, the matmul peak, then every row in its own long-lived worker,
+interleaved round by round (bench/interleave.py), a live table, then reports."""
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
 import tempfile
-import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from ..errors import check_positive
-from ..hardware import environment_report, measure_matmul_peak, print_environment, resolve_device
-from .configs import BASELINE, OPTIMIZER_SETTINGS, default_configs, get_config, list_configs, resolve_names
-from .flops import FLOP_CONVENTIONS, count_step_flops
+from ..hardware import environment_report, print_environment, resolve_device
+from ..utils import check_output_dir, require
+from .configs import (BASELINE, INSTANCE_MARK, OPTIMIZER_IMPLEMENTATION, OPTIMIZER_SETTINGS, REFERENCE, default_configs,
+                      get_config, list_configs, resolve_names)
+from .console import escape, make_console
+from .flops import FLOP_CONVENTIONS, profile_step
+from .interleave import run_interleaved, split_steps
+from .peak import matmul_peaks
 from .report import train_loss_window
-from .stats import slow_dtypes
+from .stats import BOOTSTRAP_RESAMPLES, slow_dtypes
 from .worker import CPU_MEMORY_METHOD, CUDA_MEMORY_METHOD, WorkerSpec, fixed_batches, load_workload
 
-__all__ = ["LadderSettings", "run_ladder", "run_worker", "slow_dtypes", "BASELINE", "QUICK_OVERRIDES", "QUICK_CONFIGS",
-           "DEFAULT_STEPS", "DEFAULT_WARMUP", "QUICK_STEPS", "QUICK_WARMUP"]
+__all__ = ["LadderSettings", "run_ladder", "plan_rows", "choose_reference", "slow_dtypes", "BASELINE", "REFERENCE",
+           "QUICK_OVERRIDES", "QUICK_CONFIGS", "DEFAULT_STEPS", "DEFAULT_WARMUP", "DEFAULT_ROUNDS", "QUICK_STEPS",
+           "QUICK_WARMUP", "QUICK_ROUNDS", "MEASUREMENT"]
 
-MFU_CONVENTIONS = ("achieved FLOP/s (flops_per_step / step time) divided by the measured matmul peak of the "
+MFU_CONVENTIONS = ("achieved FLOP/s (flops_per_step / step time) divided by the matmul peak of the "
                    "row's compute dtype (mfu) and of bf16 (mfu_bf16, only where bf16 is at least as fast as "
                    "fp32); peaks: ")
-#: Quick mode shrinks the model so four rows finish in well under a minute on 2 cores; the header
-#: says so, and its figures are a smoke test, not a benchmark.
-QUICK_OVERRIDES = {"gpt": {"d": 128, "n_layer": 2, "n_head": 4, "T": 64, "B": 4}}
-QUICK_CONFIGS = ("fp32-eager", "torch-amp", "tt-fp32", "tt-bf16-master")
-# The default CPU ladder is 8 rows of the default gpt. Measured on 2 cores (shared): an fp32 step
-# ~1.3 s, a bf16 step ~0.5 s, torch.compile ~45 s of warm-up; with ~5 s of process start, build and
-# val per row, 20 measured steps (enough for a p20-p80 band) plus 3 warm-up steps (compilation can
-# take two: train mode, then a recompile) come to about 5-6 minutes.
-DEFAULT_STEPS, DEFAULT_WARMUP = 20, 3
-QUICK_STEPS, QUICK_WARMUP = 3, 2
+MEASUREMENT = ("each row in its own long-lived worker, built and warmed up one at a time (untimed), then measured in "
+               "interleaved rounds: every row runs its steps of the round in turn, one row at a time, the order "
+               "rotated each round; every step timed alone and ended by a device sync; ratio_vs_ref = median "
+               "per-round step time of the reference / of the row (the row's throughput over the reference's), "
+               f"95% percentile-bootstrap interval over rounds resampled in pairs ({BOOTSTRAP_RESAMPLES} resamples, "
+               "fixed seed); the A/A row is the reference again in a second worker: its interval is the noise floor")
+#: Quick mode shrinks the model so the quick ladder (its compiled reference twice included) stays
+#: around a minute on 2 cores; the header says so, and its figures are a smoke test, not a benchmark.
+_QUICK_TEXT = {"d": 128, "n_layer": 2, "n_head": 4, "T": 64, "B": 4}
+QUICK_OVERRIDES = {name: dict(_QUICK_TEXT) for name in ("gpt", "llama", "bert", "user-gpt", "hf-llama", "hf-gpt2",
+                                                        "hf-bert")}
+QUICK_CONFIGS = ("fp32-eager", "torch-amp", REFERENCE, "tt-fp32", "tt-bf16-master")
+# The default CPU ladder is 10 rows of the default gpt (the reference twice). Measured on 2 cores
+# (shared): an fp32 step ~1.3 s, a bf16 step ~0.5 s, torch.compile ~45 s of warm-up; 20 measured
+# steps in 10 rounds of 2 (enough rounds for a bootstrap interval, enough steps for a p20-p80 band)
+# plus 3 warm-up steps (compilation can take two: train mode, then a recompile) come to about 7-8
+# minutes.
+DEFAULT_STEPS, DEFAULT_WARMUP, DEFAULT_ROUNDS = 20, 3, 10
+QUICK_STEPS, QUICK_WARMUP, QUICK_ROUNDS = 3, 2, 3
 
 
 @dataclass(frozen=True)
@@ -49,69 +59,39 @@ class LadderSettings:
     configs: tuple[str, ...] | None = None
     """Config names in order; None for the default set on the device (QUICK_CONFIGS when quick)."""
     steps: int = DEFAULT_STEPS
-    """Measured steps per row (timed, each ended by a device sync)."""
+    """Measured steps per row (timed, each ended by a device sync), spread over the rounds."""
     warmup: int = DEFAULT_WARMUP
     """Untimed steps first, which absorb compilation and allocator growth."""
+    rounds: int = DEFAULT_ROUNDS
+    """Interleaved rounds the measured steps are spread over (at most ``steps``)."""
     device: str = "auto"
     quick: bool = False
     seed: int = 0
     val_batches: int = 4
     """Fixed val batches (the same for every row) the val loss is averaged over."""
     timeout: float = 900.0
-    """Seconds a row may take before its worker is killed and the row marked as an error."""
+    """Seconds one worker command (start, build + warm-up, a round's steps, val) may take before
+    the worker is killed and the row marked as an error."""
     overrides: dict = field(default_factory=dict)
     """Workload settings changed from its defaults (QUICK_OVERRIDES in quick mode)."""
+    reference: str | None = None
+    """The row ratio_vs_ref is taken against; None: torch-compile-step (or its fp32 twin) when in
+    the ladder, else the first peer row, else the first row."""
+    aa: bool = True
+    """Run the reference a second time in its own worker (the A/A row: the noise floor)."""
 
     def __post_init__(self):
         check_positive("steps", self.steps)
         check_positive("warmup", self.warmup, allow_zero=True)
+        check_positive("rounds", self.rounds)
         check_positive("val_batches", self.val_batches)
         check_positive("timeout", self.timeout)
-
-
-def run_worker(spec: WorkerSpec, workdir: Path, timeout: float, on_progress=None) -> dict:
-    """Run one row in ``python -m turbotrain.bench.worker``; a result dict whatever happens to it."""
-    spec_path, result_path = workdir / f"{spec.config}.spec.json", workdir / f"{spec.config}.result.json"
-    stderr_path = workdir / f"{spec.config}.stderr"
-    spec_path.write_text(json.dumps(asdict(spec)))
-    cmd = [sys.executable, "-m", "turbotrain.bench.worker", str(spec_path), str(result_path)]
-    with open(stderr_path, "w") as stderr:
-        # own session, so a timeout also ends the worker's children (torch.compile's compile pool)
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, start_new_session=True)
-        reader = threading.Thread(target=_read_progress, args=(proc.stdout, on_progress), daemon=True)
-        reader.start()
-        try:
-            proc.wait(timeout=timeout)
-            reason = f"exit code {proc.returncode}"
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            reason = f"timed out after {timeout:.0f} s (raise --timeout)"
-        reader.join()
-    if result_path.exists():
-        return json.loads(result_path.read_text())
-    tail = stderr_path.read_text().strip().splitlines()[-1:] or ["no output"]
-    return {"status": "error", "error": f"worker died ({reason}): {tail[0]}"}
-
-
-def _read_progress(stream, on_progress) -> None:
-    for line in stream:  # only progress comes through stdout; the row's result comes through a file
-        if line.startswith("PROGRESS ") and on_progress:
-            done, total = map(int, line.split()[1:3])
-            on_progress(done, total)
 
 
 def _environment(device: str) -> dict:
     # fp16 on a CPU is emulated and slow to measure; its peak is added only if a row computes in it
     dtypes = ("fp32", "bf16", "fp16") if device == "cuda" else ("fp32", "bf16")
     return environment_report(device, dtypes=dtypes)
-
-
-def _add_missing_peak(env: dict, result: dict, device: str) -> None:
-    """Measure (or read from the cache) the peak of a finished row's compute dtype if it is missing."""
-    dtype = result.get("compute_dtype")
-    if result.get("status") == "ok" and dtype not in env["matmul_peak_flops"]:
-        env["matmul_peak_flops"][dtype] = measure_matmul_peak(dtype, device)
 
 
 def _plan(settings: LadderSettings) -> tuple[str, list[str], dict, list[str]]:
@@ -124,12 +104,14 @@ def _plan(settings: LadderSettings) -> tuple[str, list[str], dict, list[str]]:
         names = [n for n in QUICK_CONFIGS if n in default_configs(device)]
     else:
         names = default_configs(device)
+    if settings.reference:
+        get_config(settings.reference)  # a bad --reference costs a line, not a ladder
     overrides = dict(settings.overrides)
     if settings.quick:
         overrides = {**QUICK_OVERRIDES.get(settings.workload, {}), **overrides}
         size = f"model shrunk to {overrides}" if overrides else "model at its default size"
-        notes.append(f"quick mode: {settings.steps} steps, {settings.warmup} warm-up, {size}; "
-                     "a smoke test, not a benchmark")
+        notes.append(f"quick mode: {settings.steps} steps in {min(settings.rounds, settings.steps)} rounds, "
+                     f"{settings.warmup} warm-up, {size}; a smoke test, not a benchmark")
     return device, names, overrides, notes
 
 
@@ -162,15 +144,58 @@ def _fit_to_hardware(names: list[str], env: dict, device: str, *, default: bool,
     return out
 
 
+def choose_reference(names: list[str], explicit: str | None = None) -> str:
+    """The row every ratio is taken against: ``explicit``; else torch-compile-step or its fp32 twin
+    when in ``names``; else the first peer row; else the first row."""
+    if explicit:
+        return get_config(explicit).name
+    for candidate in (REFERENCE, get_config(REFERENCE).fp32_twin):
+        if candidate in names:
+            return candidate
+    peers = [n for n in names if get_config(n).group == "peer"]
+    return peers[0] if peers else names[0]
+
+
+def plan_rows(names: list[str], settings: LadderSettings, notes: list[str]) -> tuple[list[str], str, str | None]:
+    """(row names in ladder order, the reference, the A/A row or None): the reference is added if
+    it is not among ``names``, and its second worker goes right after it."""
+    reference = choose_reference(names, settings.reference)
+    rows = list(names) if reference in names else [reference, *names]
+    if reference not in (REFERENCE, get_config(REFERENCE).fp32_twin):
+        notes.append(f"reference: {reference} ({REFERENCE}, the strongest peer, is not in this ladder)")
+    aa_row = None
+    if settings.aa:
+        aa_row = f"{reference}{INSTANCE_MARK}2"
+        rows.insert(rows.index(reference) + 1, aa_row)
+    return rows, reference, aa_row
+
+
+def _peak_dtypes(rows: list[str], device: str) -> list[str]:
+    # fp16 on a CPU is emulated and slow to measure; its peak is added only if a row computes in it
+    base = ["fp32", "bf16", "fp16"] if device == "cuda" else ["fp32", "bf16"]
+    return list(dict.fromkeys([*base, *(get_config(r).dtype_on(device) for r in rows)]))
+
+
+def _print_peaks(peak: dict, console) -> None:
+    for dtype, v in peak["detail"].items():
+        load = ", ".join(f"{x:.2f}" for x in v["loadavg"])
+        console.print(f"[bold]matmul peak {dtype}[/] {v['value'] / 1e9:.1f} GFLOP/s at {escape(v['best_gemm'])} "
+                      f"({v['source']}: {escape(v['reason'])}; load average {load} when measured)")
+
+
 def run_ladder(settings: LadderSettings, out_dir: str | Path, console=None) -> dict:
-    """Run the ladder, write results.json, report.html and PNGs into ``out_dir``; returns the results."""
-    from rich.console import Console
+    """Run the ladder, write results.json, report.html and PNGs into ``out_dir``; returns the results.
+
+    results.json is rewritten after every set-up and every round, so a crash in the display (or a
+    kill) keeps what was measured.
+    """
+    out_dir = check_output_dir(out_dir)  # before any work: a bad --out costs a line, not a ladder
+    console = make_console(console)
+    require("matplotlib", "bench", "the benchmark report's charts")
 
     from .live import LiveLadder
-    from .report import build_results, write_reports
+    from .report import build_results, write_reports, write_results
 
-    # a log file or pipe gets a wide table rather than rich's 80-column default, which folds every cell
-    console = console or (Console() if sys.stdout.isatty() else Console(width=160))
     device, names, overrides, notes = _plan(settings)
     workload = load_workload(settings.workload, overrides)  # builds/caches the data once, before the workers
     env = _environment(device)
@@ -179,50 +204,92 @@ def run_ladder(settings: LadderSettings, out_dir: str | Path, console=None) -> d
     names = _fit_to_hardware(names, env, device, default=default, notes=notes)
     if default and (left_out := [c.name for c in list_configs() if c.name not in names]):
         notes.append(f"not in the default ladder on {device}: {', '.join(left_out)} (name them in --configs)")
-    flops = count_step_flops(workload.build_model, workload.loss_fn,
-                             fixed_batches(workload, "train", 1, settings.seed, device)[0])
+    rows, reference, aa_row = plan_rows(names, settings, notes)
+    step = profile_step(workload.build_model, workload.loss_fn,
+                        fixed_batches(workload, "train", 1, settings.seed, device)[0])
+    peak = matmul_peaks(_peak_dtypes(rows, device), device, step.gemms)
+    env["square_median_peak_flops"] = env["matmul_peak_flops"]  # turbotrain env's figure, for comparison
+    env["matmul_peak_flops"], env["matmul_peak_method"] = dict(peak["flops"]), peak["method"]
+    _print_peaks(peak, console)
+    per_round = split_steps(settings.steps, settings.rounds)
     header = {
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "workload": {"name": workload.name, "kind": workload.kind, "unit": workload.unit,
                      "items_per_step": workload.items_per_batch, "settings": workload.settings,
                      "overrides": overrides, "description": workload.description},
-        "run": {"device": device, "configs": names, "steps": settings.steps, "warmup": settings.warmup,
-                "seed": settings.seed, "val_batches": settings.val_batches, "quick": settings.quick,
-                "optimizer": {"name": "AdamW", **OPTIMIZER_SETTINGS}, "baseline": BASELINE},
+        "run": {"device": device, "configs": rows, "steps": sum(per_round), "warmup": settings.warmup,
+                "rounds": len(per_round), "steps_per_round": per_round, "seed": settings.seed,
+                "val_batches": settings.val_batches, "quick": settings.quick,
+                "optimizer": {"name": "AdamW", **OPTIMIZER_SETTINGS, **OPTIMIZER_IMPLEMENTATION},
+                "baseline": BASELINE, "reference": reference, "aa_row": aa_row},
         "environment": env,
         "versions": env["hardware"]["versions"],
-        "flops_per_step": flops,
+        "flops_per_step": step.flops,
+        "gemms": [{**g.to_dict(), "label": g.label} for g in step.gemms],
+        "peak": peak,
         "flop_conventions": FLOP_CONVENTIONS,
         "mfu_conventions": MFU_CONVENTIONS + env["matmul_peak_method"],
+        "measurement": MEASUREMENT,
         "memory_method": CUDA_MEMORY_METHOD if device == "cuda" else CPU_MEMORY_METHOD,
-        "train_loss": f"mean of the last {train_loss_window(settings.steps)} measured steps' losses",
+        "train_loss": f"mean of the last {train_loss_window(sum(per_round))} measured steps' losses",
         "notes": notes,
     }
-    console.print(f"[bold]workload[/] {workload.name} {workload.settings or ''}  "
-                  f"{flops / 1e9:.2f} GFLOP/step ({FLOP_CONVENTIONS})")
+    console.print(f"[bold]workload[/] {escape(workload.name)} {escape(workload.settings or '')}  "
+                  f"{step.flops / 1e9:.2f} GFLOP/step ({FLOP_CONVENTIONS})")
+    console.print(f"[bold]rows[/] {escape(', '.join(rows))}; reference {escape(reference)}; "
+                  f"{len(per_round)} interleaved rounds of {escape(per_round)} steps")
     for note in notes:
-        console.print(f"[yellow]note[/] {note}")
-    out_dir = Path(out_dir)
+        console.print(f"[yellow]note[/] {escape(note)}")
     out_dir.mkdir(parents=True, exist_ok=True)
-    raw: dict[str, dict] = {}
+    specs = {row: WorkerSpec(workload=settings.workload, config=get_config(row).name, device=device,
+                             warmup=settings.warmup, seed=settings.seed, val_batches=settings.val_batches,
+                             overrides=overrides, threads=torch.get_num_threads()) for row in rows}
     with tempfile.TemporaryDirectory(prefix="turbotrain-bench-") as tmp, \
-            LiveLadder(names, header, console, settings.warmup + settings.steps + 1) as live:
-        for name in names:
-            spec = WorkerSpec(workload=settings.workload, config=name, device=device, steps=settings.steps,
-                              warmup=settings.warmup, seed=settings.seed, val_batches=settings.val_batches,
-                              overrides=overrides, threads=torch.get_num_threads())
-            live.start(name)
-            raw[name] = run_worker(spec, Path(tmp), settings.timeout, live.progress)
-            _add_missing_peak(env, raw[name], device)
-            live.finish(name, raw[name])
+            LiveLadder(rows, header, console, len(per_round)) as live:
+        raw = run_interleaved(specs, per_round, Path(tmp), settings.timeout, live=live,
+                              on_update=lambda results: write_results(build_results(header, results), out_dir))
     console.print()
+    _add_missing_peaks(raw, env, device, step.gemms, header)
     results = build_results(header, raw)
-    for note in _implausible_mfu(results):
+    for note in _implausible_mfu(results) + _ratio_notes(results):
         header["notes"].append(note)
-        console.print(f"[yellow]warning[/] {note}")
+        console.print(f"[yellow]warning[/] {escape(note)}")
+    for name, config in results["configs"].items():
+        if config.get("status") == "FAILED":
+            console.print(f"[bold red]FAILED[/] {escape(name)}: {escape(config['loss_check']['message'])}")
     paths = write_reports(results, out_dir)
-    console.print("wrote " + ", ".join(str(p) for p in paths))
+    console.print("wrote " + escape(", ".join(str(p) for p in paths)))
     return results
+
+
+def _add_missing_peaks(raw: dict, env: dict, device: str, gemms, header: dict) -> None:
+    """A row whose trainer computes in a dtype its config did not declare still gets an MFU."""
+    missing = {r["compute_dtype"] for r in raw.values() if r.get("status") == "ok"} - set(env["matmul_peak_flops"])
+    if missing:
+        extra = matmul_peaks(sorted(missing), device, gemms)
+        env["matmul_peak_flops"].update(extra["flops"])
+        header["peak"]["flops"].update(extra["flops"])
+        header["peak"]["detail"].update(extra["detail"])
+
+
+def _ratio_notes(results: dict) -> list[str]:
+    """What the intervals say about the page itself: a noisy A/A pair, or a peer faster than the reference."""
+    run = results["header"]["run"]
+    notes = []
+    configs = results["configs"]
+    aa = configs.get(run.get("aa_row") or "", {})
+    if aa.get("ratio_ci95") and not aa["ratio_ci95"][0] <= 1.0 <= aa["ratio_ci95"][1]:
+        lo, hi = aa["ratio_ci95"]
+        notes.append(f"the A/A row's interval ({lo:.3f}-{hi:.3f}) excludes 1.0: two workers of one config differ "
+                     "by more than the bootstrap expects (placement, a noisy neighbour); read small ratios with care")
+    if run.get("reference") not in (REFERENCE, get_config(REFERENCE).fp32_twin):
+        return notes  # a stand-in reference (not the strongest peer) is expected to be beaten
+    for name, config in configs.items():
+        ci = config.get("ratio_ci95")
+        if config.get("group") == "peer" and name not in (run.get("reference"), run.get("aa_row")) and ci and ci[0] > 1:
+            notes.append(f"peer {name} measured faster than the reference {run['reference']} "
+                         f"({config['ratio_vs_ref']:.2f}x, interval {ci[0]:.2f}-{ci[1]:.2f})")
+    return notes
 
 
 def _implausible_mfu(results: dict) -> list[str]:

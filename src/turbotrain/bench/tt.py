@@ -29,20 +29,22 @@ class EngineTrainer:
         except ImportError as exc:
             raise FeatureUnavailable(f"turbotrain.Engine/Config cannot be imported ({exc}); "
                                      "this row runs once src/turbotrain/engine.py exists") from exc
-        settings = dict(settings)
-        # the fused AdamW kernel (one pass over params, grads and moments) is part of what the
-        # low-precision rows offer; tt-fp32 keeps fp32-eager's foreach AdamW to show Engine overhead
-        optimizer_extra = {"fused": True} if settings.pop("fused_optimizer", False) else {}
         config = Config(device=device, **settings)
         model = workload.build_model().to(device)
-        optimizer = make_optimizer(model.parameters(), **optimizer_extra)
-        self.engine = Engine(model, optimizer, workload.loss_fn, config=config)
+        # the ladder's one AdamW (fused), as in every peer row: the Engine re-points this instance
+        # at the parameters it trains, so the row steps the same implementation it was given
+        self._optimizer = make_optimizer(model.parameters())
+        self.engine = Engine(model, self._optimizer, workload.loss_fn, config=config)
         self.compute_dtype = _compute_dtype(config.precision)
         self.compiled = config.compile
 
     @property
     def model(self):
         return self.engine.model
+
+    @property
+    def optimizer(self):
+        return self.engine.optimizer or self._optimizer
 
     def step(self, batch):
         return self.engine.step(batch).loss
@@ -54,29 +56,27 @@ class EngineTrainer:
 #: name -> (Config fields, description, devices it is in the default ladder on)
 TT_CONFIGS = {
     "tt-fp32": ({"precision": "fp32"}, "Engine in fp32: Engine overhead over fp32-eager", True),
-    "tt-bf16-mixed": ({"precision": "bf16-mixed", "fused_optimizer": True}, "Engine, bf16 autocast, fp32 weights", True),
-    "tt-bf16-master": ({"precision": "bf16-master", "fused_optimizer": True}, "Engine, bf16 model + fp32 master weights", True),
+    "tt-bf16-mixed": ({"precision": "bf16-mixed"}, "Engine, bf16 autocast, fp32 weights", True),
+    "tt-bf16-master": ({"precision": "bf16-master"}, "Engine, bf16 model + fp32 master weights", True),
     # fp16 matmul on CPUs without avx512_fp16/AMX-FP16 is emulated (~25x slower than fp32), so the
     # row would dominate a CPU ladder's wall time; run it there with --configs tt-fp16-master.
-    "tt-fp16-master": ({"precision": "fp16-master", "fused_optimizer": True}, "Engine, fp16 model + fp32 master + loss scaling",
+    "tt-fp16-master": ({"precision": "fp16-master"}, "Engine, fp16 model + fp32 master + loss scaling",
                        ("cuda",)),
     # The patterns that win on a bf16 CPU (fusion ablation, benchmarks/): one QKV GEMM, and the
     # chunked linear+cross-entropy that never materialises FP32 logits. The compiled elementwise
     # epilogues (linear_act, layernorm_gelu, swiglu) lose to PyTorch's own bf16 kernels there.
-    "tt-fused": ({"precision": "bf16-master", "fuse": ("qkv", "linear_cross_entropy"), "fused_optimizer": True},
+    "tt-fused": ({"precision": "bf16-master", "fuse": ("qkv", "linear_cross_entropy")},
                  "bf16-master + fused QKV + fused linear+cross-entropy", True),
     # Under torch.compile inductor fuses the elementwise ops itself; the QKV slice cache breaks the
     # graph (9 graphs instead of 1), so only linear+cross-entropy is fused by hand here.
-    "tt-fused-compile": ({"precision": "bf16-master", "fuse": ("linear_cross_entropy",), "compile": True,
-                          "fused_optimizer": True},
+    "tt-fused-compile": ({"precision": "bf16-master", "fuse": ("linear_cross_entropy",), "compile": True},
                          "bf16-master + fusion + torch.compile", True),
     # fp32 twins of the fused rows: where bf16 matmul is slower than fp32 (a CPU without
     # avx512_bf16/amx_bf16; precision='auto' picks fp32 there) the default ladder runs these instead.
-    "tt-fused-fp32": ({"precision": "fp32", "fuse": ("linear_cross_entropy",), "fused_optimizer": True},
-                      "fp32 + fused linear+cross-entropy + fused AdamW", False),
-    "tt-fused-compile-fp32": ({"precision": "fp32", "fuse": ("linear_cross_entropy",), "compile": True,
-                               "fused_optimizer": True},
-                              "fp32 + fused linear+cross-entropy + torch.compile + fused AdamW", False),
+    "tt-fused-fp32": ({"precision": "fp32", "fuse": ("linear_cross_entropy",)},
+                      "fp32 + fused linear+cross-entropy", False),
+    "tt-fused-compile-fp32": ({"precision": "fp32", "fuse": ("linear_cross_entropy",), "compile": True},
+                              "fp32 + fused linear+cross-entropy + torch.compile", False),
 }
 #: The row standing in for each low-precision row where its dtype is slower than fp32 (BenchConfig.fp32_twin).
 FP32_TWINS = {"tt-fused": "tt-fused-fp32", "tt-fused-compile": "tt-fused-compile-fp32"}
@@ -84,20 +84,20 @@ FP32_TWINS = {"tt-fused": "tt-fused-fp32", "tt-fused-compile": "tt-fused-compile
 #: Activation checkpointing rows (issue: memory): off the default ladder, they answer a question
 #: asked at long sequence lengths (`--set T=1024`), where activations dominate peak memory.
 MEMORY_CONFIGS = {
-    "tt-ckpt-blocks": ({"precision": "bf16-master", "fused_optimizer": True, "checkpoint": "blocks"},
+    "tt-ckpt-blocks": ({"precision": "bf16-master", "checkpoint": "blocks"},
                        "bf16-master + activation checkpointing of every block"),
-    "tt-ckpt-selective": ({"precision": "bf16-master", "fused_optimizer": True, "checkpoint": "selective"},
+    "tt-ckpt-selective": ({"precision": "bf16-master", "checkpoint": "selective"},
                           "bf16-master + selective checkpointing (matmul outputs kept)"),
     # The logits and their softmax sit outside the blocks and are the largest activation at long
     # T; fused linear+cross-entropy removes them, which checkpointing alone cannot.
-    "tt-ckpt-blocks-fused-ce": ({"precision": "bf16-master", "fused_optimizer": True, "checkpoint": "blocks",
+    "tt-ckpt-blocks-fused-ce": ({"precision": "bf16-master", "checkpoint": "blocks",
                                  "fuse": ("linear_cross_entropy",)},
                                 "bf16-master + block checkpointing + fused linear+cross-entropy"),
     # fp32 versions, for CPUs where bf16 matmul is emulated; compiled, the checkpoint is one graph op
-    "tt-ckpt-blocks-fused-ce-fp32": ({"precision": "fp32", "fused_optimizer": True, "checkpoint": "blocks",
+    "tt-ckpt-blocks-fused-ce-fp32": ({"precision": "fp32", "checkpoint": "blocks",
                                       "fuse": ("linear_cross_entropy",)},
                                      "fp32 + block checkpointing + fused linear+cross-entropy"),
-    "tt-ckpt-blocks-fused-ce-compile-fp32": ({"precision": "fp32", "fused_optimizer": True, "checkpoint": "blocks",
+    "tt-ckpt-blocks-fused-ce-compile-fp32": ({"precision": "fp32", "checkpoint": "blocks",
                                               "fuse": ("linear_cross_entropy",), "compile": True},
                                              "fp32 + block checkpointing + fused linear+cross-entropy + torch.compile"),
 }
@@ -105,11 +105,11 @@ MEMORY_CONFIGS = {
 
 #: Fusion ablation: bf16-master plus one pattern at a time, and all of them (off the default ladder).
 ABLATION_CONFIGS = {
-    f"tt-fuse-{pattern.replace('_', '-')}": ({"precision": "bf16-master", "fuse": (pattern,), "fused_optimizer": True},
+    f"tt-fuse-{pattern.replace('_', '-')}": ({"precision": "bf16-master", "fuse": (pattern,)},
                                               f"bf16-master + the {pattern} fusion alone")
     for pattern in ("qkv", "linear_cross_entropy", "linear_act", "layernorm_gelu")
 }
-ABLATION_CONFIGS["tt-fuse-all"] = ({"precision": "bf16-master", "fuse": True, "fused_optimizer": True},
+ABLATION_CONFIGS["tt-fuse-all"] = ({"precision": "bf16-master", "fuse": True},
                                    "bf16-master + every fusion pattern")
 
 

@@ -1,11 +1,29 @@
-"""One benchmark row in its own process: ``python -m turbotrain.bench.worker SPEC.json RESULT.json``.
+"""One benchmark row in its own long-lived process: ``python -m turbotrain.bench.worker SPEC.json``.
 
-A fresh process per config means no row inherits another's compiled graphs, patched modules,
-allocator state or thread pools. The spec fixes the seed, the batches and the step counts, so every
-row sees the same initial weights and the same data in the same order.
+A process per row means no row inherits another's compiled graphs, patched modules, allocator
+state or thread pools. The process stays alive for the whole ladder, so the parent can interleave
+the rows: it builds every row first, then asks each in turn, round after round, for a few timed
+steps, and drift on the machine lands on every row alike (bench/interleave.py).
 
-Progress goes to stdout as ``PROGRESS <done> <total>`` lines; the result is written as JSON to
-RESULT.json (also when the row fails: status 'error' and the message).
+The protocol is JSON lines: commands on the worker's stdin, replies on its stdout. Anything else
+the row prints (torch.compile, a library, a C extension) is sent to stderr, which the parent keeps
+in a file, so it can never be taken for a reply.
+
+    parent -> worker                        worker -> parent
+                                            {"event": "ready"}
+    {"cmd": "setup"}                        {"event": "progress", "done": i, "total": n} ...
+                                            {"ok": true, "compute_dtype": ..., "build_seconds": ..., "losses": [...]}
+    {"cmd": "run", "steps": k}              {"ok": true, "seconds": [...], "losses": [...]}
+    {"cmd": "finish"}                       {"ok": true, "val_loss": ..., "peak_memory_bytes": ..., ...}
+    {"cmd": "quit"}                         (exits)
+
+A command that fails replies ``{"ok": false, "error": ..., "traceback": ...}`` and the worker
+exits: a row that failed once is not measured again.
+
+Every row gets the same spec but its config: the same seed (hence the same initial weights), the
+same train batches in the same order (warm-up first, then the measured steps round by round) and
+the same val batches. Each measured step is timed on its own and ends with a device sync; batches
+are drawn before the clock starts.
 
 Memory, honestly: on CUDA the row reports torch.cuda.max_memory_allocated() during build, warm-up
 and the measured steps (tensors only; the caching allocator's reserve is excluded). On CPU there is
@@ -29,12 +47,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import ConfigError
+from ..profile.counting import OpCounter
+from ..utils import atomic_write, sync_device
 
-__all__ = ["WorkerSpec", "run_row", "load_workload", "fixed_batches", "RssSampler", "CPU_MEMORY_METHOD",
-           "CUDA_MEMORY_METHOD"]
+__all__ = ["WorkerSpec", "RowSession", "serve", "load_workload", "fixed_batches", "RssSampler", "CPU_MEMORY_METHOD",
+           "CUDA_MEMORY_METHOD", "error_result", "write_result"]
 
 CPU_MEMORY_METHOD = "peak anonymous RSS of the worker above its value before the model was built (5 ms sampling)"
 CUDA_MEMORY_METHOD = "torch.cuda.max_memory_allocated() during build, warm-up and measured steps"
@@ -47,8 +66,6 @@ class WorkerSpec:
     workload: str
     config: str
     device: str
-    steps: int
-    """Measured steps."""
     warmup: int
     """Steps run first and not timed (compilation happens here)."""
     seed: int = 0
@@ -101,107 +118,110 @@ class RssSampler:
         self.peak = max(self.peak, self.rss())
 
 
-class _OpCounter(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
 def count_step_ops(trainer, batch) -> int:
     """ATen ops dispatched by one more training step (forward, backward, optimizer), after the
     measurements; the fusion ablation compares it across rows. Compiled rows are not counted: their
     ops run inside generated kernels that a dispatch mode cannot see."""
-    with _OpCounter() as counter:
+    with OpCounter() as counter:
         trainer.step(batch)
-    return counter.count
+    return counter.counts.calls
 
 
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
+class RowSession:
+    """One row's life: ``setup()`` (build + warm-up), ``run(k)`` any number of times, ``finish()``."""
 
+    def __init__(self, spec: WorkerSpec, progress=None):
+        self.spec = spec
+        self.progress = progress or (lambda done, total: None)
+        self.trainer = None
+        self.stream = None
+        self.losses: list[float] = []
 
-def _progress(done: int, total: int) -> None:
-    print(f"PROGRESS {done} {total}", flush=True)
-
-
-def _train(trainer, batches: list, spec: WorkerSpec) -> tuple[list[float], list[float]]:
-    """Run warm-up + measured steps; returns (losses of every step, seconds of measured steps)."""
-    losses, times = [], []
-    total = spec.warmup + spec.steps
-    for i, batch in enumerate(batches):
-        _sync(spec.device)
+    def _timed_step(self) -> tuple[float, float]:
+        batch = next(self.stream)  # drawn (and moved to the device) before the clock starts
+        sync_device(self.spec.device)
         t0 = time.perf_counter()
-        loss = trainer.step(batch)
-        _sync(spec.device)
+        loss = self.trainer.step(batch)
+        sync_device(self.spec.device)
         elapsed = time.perf_counter() - t0
-        if i >= spec.warmup:
-            times.append(elapsed)
-        losses.append(float(loss))
-        _progress(i + 1, total + 1)
-    return losses, times
+        self.losses.append(float(loss))
+        return elapsed, self.losses[-1]
 
+    def setup(self) -> dict:
+        from .configs import COMPUTE_DTYPES, get_config
 
-def run_row(spec: WorkerSpec) -> dict:
-    """Build the config, train, evaluate; a dict for results.json (raises on failure)."""
-    from .configs import COMPUTE_DTYPES, get_config
-
-    if spec.threads:
-        torch.set_num_threads(spec.threads)
-    workload = load_workload(spec.workload, spec.overrides)
-    batches = fixed_batches(workload, "train", spec.warmup + spec.steps, spec.seed, spec.device)
-    val = fixed_batches(workload, "val", spec.val_batches, spec.seed, spec.device)
-    build = get_config(spec.config).build
-    cuda = spec.device == "cuda"
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-        base_cuda = torch.cuda.memory_allocated()
-    with RssSampler() as rss:
-        torch.manual_seed(spec.seed)  # same initial weights in every row
+        spec = self.spec
+        if spec.threads:
+            torch.set_num_threads(spec.threads)
+        self.workload = load_workload(spec.workload, spec.overrides)
+        self.stream = self.workload.batches(split="train", seed=spec.seed, device=spec.device)
+        build = get_config(spec.config).build
+        self.cuda = spec.device == "cuda"
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+            self.base_cuda = torch.cuda.memory_allocated()
+        self.rss = RssSampler().__enter__()
+        torch.manual_seed(spec.seed)  # same initial weights (and any RNG the step draws) in every row
         t0 = time.perf_counter()
-        trainer = build(workload, spec.device)
+        self.trainer = build(self.workload, spec.device)
         build_s = time.perf_counter() - t0
-        if getattr(trainer, "compute_dtype", None) not in COMPUTE_DTYPES:
-            raise ConfigError(f"config {spec.config!r} built a trainer whose compute_dtype is "
-                              f"{getattr(trainer, 'compute_dtype', None)!r}; set it to one of {COMPUTE_DTYPES}")
-        losses, times = _train(trainer, batches, spec)
-    peak = torch.cuda.max_memory_allocated() - base_cuda if cuda else rss.peak - rss.baseline
-    val_loss = trainer.eval_loss(val)
-    op_count = None if getattr(trainer, "compiled", False) else count_step_ops(trainer, batches[0])
-    _progress(spec.warmup + spec.steps + 1, spec.warmup + spec.steps + 1)
-    return {
-        "status": "ok",
-        "compute_dtype": trainer.compute_dtype,
-        "build_seconds": build_s,
-        "step_seconds": times,
-        "losses": losses,
-        "val_loss": val_loss,
-        "ops_per_step": op_count,
-        "peak_memory_bytes": peak,
-        "rss_baseline_bytes": rss.baseline,
-        "rss_peak_bytes": rss.peak,
-    }
+        dtype = getattr(self.trainer, "compute_dtype", None)
+        if dtype not in COMPUTE_DTYPES:
+            raise ConfigError(f"config {spec.config!r} built a trainer whose compute_dtype is {dtype!r}; "
+                              f"set it to one of {COMPUTE_DTYPES}")
+        t0 = time.perf_counter()
+        for i in range(spec.warmup):
+            self._timed_step()
+            self.progress(i + 1, spec.warmup)
+        return {"compute_dtype": dtype, "build_seconds": build_s, "warmup_seconds": time.perf_counter() - t0,
+                "losses": list(self.losses)}
+
+    def run(self, steps: int) -> dict:
+        seconds, losses = zip(*(self._timed_step() for _ in range(steps))) if steps else ((), ())
+        return {"seconds": list(seconds), "losses": list(losses)}
+
+    def finish(self) -> dict:
+        self.rss.__exit__(None, None, None)
+        spec = self.spec
+        peak = torch.cuda.max_memory_allocated() - self.base_cuda if self.cuda else self.rss.peak - self.rss.baseline
+        val = fixed_batches(self.workload, "val", spec.val_batches, spec.seed, spec.device)
+        val_loss = self.trainer.eval_loss(val)
+        op_count = None if getattr(self.trainer, "compiled", False) else count_step_ops(self.trainer, next(self.stream))
+        return {"val_loss": val_loss, "ops_per_step": op_count, "peak_memory_bytes": peak,
+                "rss_baseline_bytes": self.rss.baseline, "rss_peak_bytes": self.rss.peak}
 
 
-def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 2:
-        print("usage: python -m turbotrain.bench.worker SPEC.json RESULT.json", file=sys.stderr)
-        return 2
-    spec_path, result_path = map(Path, argv)
-    spec = WorkerSpec(**json.loads(spec_path.read_text()))
-    try:
-        result = run_row(spec)
-        rc = 0
-    except Exception as exc:  # the row fails, the ladder goes on: report the message, keep the trace
-        result = error_result(exc)
-        rc = 1
-    write_result(result, spec, result_path)
-    return rc
+def serve(spec: WorkerSpec, commands, replies) -> int:
+    """Answer the parent's commands (JSON lines from ``commands``) on ``replies`` until finish or quit."""
+
+    def send(message: dict) -> None:
+        replies.write(json.dumps(message) + "\n")
+        replies.flush()
+
+    session = RowSession(spec, progress=lambda done, total: send({"event": "progress", "done": done, "total": total}))
+    send({"event": "ready"})
+    for line in commands:
+        if not line.strip():
+            continue
+        message = json.loads(line)
+        cmd = message.get("cmd")
+        if cmd == "quit":
+            return 0
+        try:
+            if cmd == "setup":
+                reply = session.setup()
+            elif cmd == "run":
+                reply = session.run(int(message["steps"]))
+            elif cmd == "finish":
+                send({"ok": True, **session.finish()})
+                return 0
+            else:
+                raise ConfigError(f"unknown worker command {cmd!r}; expected setup, run, finish or quit")
+        except Exception as exc:  # the row fails, the ladder goes on: report the message, keep the trace
+            send({"ok": False, **error_result(exc)})
+            return 1
+        send({"ok": True, **reply})
+    return 0  # the parent closed stdin: nothing more to do
 
 
 def error_result(exc: BaseException) -> dict:
@@ -212,9 +232,20 @@ def error_result(exc: BaseException) -> dict:
 def write_result(result: dict, spec, path: Path) -> None:
     """Write a job's result (with the spec it ran) atomically, so the parent never reads half a file."""
     result["spec"] = asdict(spec)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result))
-    os.replace(tmp, path)
+    atomic_write(path, json.dumps(result))
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m turbotrain.bench.worker SPEC.json  (JSON-line commands on stdin)", file=sys.stderr)
+        return 2
+    spec = WorkerSpec(**json.loads(Path(argv[0]).read_text()))
+    # the protocol keeps the real stdout; every other write to fd 1 (prints, C libraries) goes to stderr
+    replies = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    return serve(spec, sys.stdin, replies)
 
 
 if __name__ == "__main__":

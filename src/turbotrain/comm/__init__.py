@@ -7,16 +7,14 @@
 
 Compression: 'bf16'/'fp16' (cast on the wire), 'powersgd' (rank-r, error feedback) and 'onebit'
 (1-bit Adam), all as DDP comm hooks on plain all-reduce futures, so they run on gloo and NCCL.
+
+The names below are loaded on first use: ``turbotrain.Config`` needs only ``comm.config``, and
+``import turbotrain`` should not pay for DDP, the hooks and torch.distributed's start-up code.
 """
 
-from .cli import add_cli
-from .config import COMPRESSIONS, DataParallelConfig
-from .ddp import CommState, convert_batchnorm, prepare, to_onebit_adam
-from .env import DistInfo, init, is_initialized, read_launch_env
-from .nccl import PRESETS as NCCL_PRESETS
-from .nccl import apply_preset, validate_nccl_env
-from .onebit import OneBitAdam
-from .preflight import build_plan, preflight
+from __future__ import annotations
+
+import importlib
 
 __all__ = [
     # start-up
@@ -25,5 +23,32 @@ __all__ = [
     "prepare", "CommState", "DataParallelConfig", "COMPRESSIONS", "OneBitAdam", "convert_batchnorm",
     "to_onebit_adam",
     # launching and tuning
-    "NCCL_PRESETS", "apply_preset", "validate_nccl_env", "add_cli",
+    "NCCL_PRESETS", "apply_preset", "validate_nccl_env", "torchrun_command",
 ]
+
+#: public name -> (submodule, its name there)
+_LAZY = {
+    "init": ("env", "init"), "DistInfo": ("env", "DistInfo"), "read_launch_env": ("env", "read_launch_env"),
+    "is_initialized": ("env", "is_initialized"),
+    "preflight": ("agree", "preflight"), "build_plan": ("agree", "build_plan"),
+    "prepare": ("ddp", "prepare"), "CommState": ("ddp", "CommState"), "convert_batchnorm": ("ddp", "convert_batchnorm"),
+    "to_onebit_adam": ("ddp", "to_onebit_adam"),
+    "DataParallelConfig": ("config", "DataParallelConfig"), "COMPRESSIONS": ("config", "COMPRESSIONS"),
+    "OneBitAdam": ("onebit", "OneBitAdam"),
+    "NCCL_PRESETS": ("nccl", "PRESETS"), "apply_preset": ("nccl", "apply_preset"),
+    "validate_nccl_env": ("nccl", "validate_nccl_env"),
+    "torchrun_command": ("launch", "torchrun_command"),
+}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module, attr = _LAZY[name]
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), attr)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__():
+    return sorted({*globals(), *__all__})

@@ -2,6 +2,7 @@
 
 from .audit import AuditReport, AuditRow, precision_audit, sqnr_db
 from .causes import CAUSES
+from .inject import INJECTIONS, inject_fault
 from .nonfinite import NonFiniteReport, find_nonfinite, nonfinite_flag
 from .stats import TensorStats
 
@@ -17,6 +18,7 @@ __all__ = [
     "AuditReport",
     "AuditRow",
     "sqnr_db",
+    # demonstrations
+    "inject_fault",
+    "INJECTIONS",
 ]
-
-from .cli import add_cli  # noqa: E402  (registers `turbotrain diagnose`; kept out of __all__)

@@ -23,21 +23,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..utils import sqnr_db
 from .stats import floating_tensors, map_floating, precision_run, split_batch
 
 __all__ = ["precision_audit", "AuditReport", "AuditRow", "sqnr_db"]
-
-
-def sqnr_db(reference: torch.Tensor, actual: torch.Tensor) -> float:
-    """Signal-to-quantisation-noise ratio of ``actual`` against ``reference`` in dB (inf when equal)."""
-    ref = reference.detach().double()
-    noise = (actual.detach().double() - ref).pow(2).sum()
-    signal = ref.pow(2).sum()
-    if noise == 0:
-        return math.inf
-    if signal == 0:
-        return -math.inf
-    return float(10 * torch.log10(signal / noise))
 
 
 def _rel_error(reference, actual) -> float:

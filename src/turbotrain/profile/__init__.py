@@ -1,8 +1,8 @@
 """Where a training step's time goes: op table, categories, MFU, trace, HTML, recommendations."""
 
-from .advice import THRESHOLDS, recommend
+from .advice import THRESHOLDS, Recommendation, recommend
 from .categories import CATEGORIES, categorise, category_of_name
-from .core import MFU_CONVENTIONS, OpRow, ProfileReport, Recommendation, profile
+from .core import MFU_CONVENTIONS, OpRow, ProfileReport, profile
 from .counting import OpCounter, StepCounts
 
 __all__ = [
@@ -22,5 +22,3 @@ __all__ = [
     "OpCounter",
     "StepCounts",
 ]
-
-from .cli import add_cli  # noqa: E402  (registers `turbotrain profile`; kept out of __all__)

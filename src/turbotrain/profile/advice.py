@@ -7,9 +7,9 @@ this only says what to try (transforms are opt-in).
 
 from __future__ import annotations
 
-from .core import Recommendation
+from dataclasses import dataclass
 
-__all__ = ["recommend", "THRESHOLDS"]
+__all__ = ["recommend", "Recommendation", "THRESHOLDS"]
 
 THRESHOLDS = {
     "casts": 0.10,        # per-step weight/activation casts: bf16-master keeps weights in bf16 instead
@@ -22,6 +22,17 @@ THRESHOLDS = {
     "data": 0.10,
     "mfu": 0.30,
 }
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    finding: str
+    suggestion: str
+    config: str
+    """The turbotrain setting to try, e.g. "Config(precision='bf16-master')"."""
+
+    def __str__(self):
+        return f"{self.finding} -> {self.suggestion} [{self.config}]"
 
 
 def _fp32_matmuls(report) -> bool:

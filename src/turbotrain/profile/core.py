@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..utils import sync_device
+from .advice import Recommendation, recommend
 from .categories import CATEGORIES, IDLE, categorise
 from .counting import OpCounter, StepCounts
 
@@ -53,17 +55,6 @@ class OpRow:
     """FLOPs per byte."""
     bound: str
     """'compute', 'memory' or '-' when peaks or counts are missing."""
-
-
-@dataclass(frozen=True)
-class Recommendation:
-    finding: str
-    suggestion: str
-    config: str
-    """The turbotrain setting to try, e.g. "Config(precision='bf16-master')"."""
-
-    def __str__(self):
-        return f"{self.finding} -> {self.suggestion} [{self.config}]"
 
 
 @dataclass
@@ -126,11 +117,6 @@ class ProfileReport:
         return "\n".join(lines)
 
 
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
 def _device_of(engine) -> str:
     device = getattr(engine, "device", None)
     if device is None:
@@ -144,14 +130,14 @@ def _timed_steps(engine, batches, n, device, label=None) -> list[float]:
     times = []
     for _ in range(n):
         batch = next(batches)
-        _sync(device)
+        sync_device(device)
         start = time.perf_counter()
         if label:
             with torch.profiler.record_function(label):
                 engine.step(batch)
         else:
             engine.step(batch)
-        _sync(device)
+        sync_device(device)
         times.append(time.perf_counter() - start)
     return times
 
@@ -234,7 +220,6 @@ def profile(engine, batches, steps: int = 5, warmup: int = 2, *, peak_flops: flo
         if peak_flops:
             report.mfu = counts.flops / (report.unprofiled_step_time_s * peak_flops)
     report.mfu_conventions = MFU_CONVENTIONS + f"Peak: {_fmt_peak(peak_flops)} FLOP/s, {source}."
-    from .advice import recommend
     report.recommendations = recommend(report, getattr(engine, "config", None))
     if out_dir is not None:
         from .html import write_outputs

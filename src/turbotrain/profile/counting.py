@@ -4,7 +4,12 @@ FLOPs use PyTorch's own formulas (``torch.utils.flop_counter``: 2 FLOPs per mult
 convolution and attention only, so elementwise ops count 0). Bytes are the logical sizes of each
 op's tensor inputs read plus outputs written (views move nothing); caches are ignored, so this
 is the traffic an op needs at least once per call. Ops re-run by activation checkpointing are
-counted apart (``recompute_flops``) so model FLOPs, and MFU, exclude recomputation.
+counted apart (``recompute_flops``, ``recompute_calls``) so model FLOPs, and MFU, exclude
+recomputation.
+
+This is turbotrain's one op counter: the profiler's op table, the benchmark's FLOPs per step and
+its ATen ops per step all come from it. Its FLOPs equal ``FlopCounterMode``'s total (the same
+formula table) on every built-in workload.
 """
 
 from __future__ import annotations
@@ -35,10 +40,18 @@ class StepCounts:
     ops: dict = field(default_factory=lambda: defaultdict(OpCounts))
     """'aten::name' -> OpCounts."""
     recompute_flops: float = 0.0
+    recompute_calls: int = 0
+    """ATen calls re-run by activation checkpointing (not in ``ops``)."""
 
     @property
     def flops(self) -> float:
+        """Model FLOPs: every counted op, recomputation excluded."""
         return sum(c.flops for c in self.ops.values())
+
+    @property
+    def calls(self) -> int:
+        """ATen calls dispatched, recomputation included: the work the step really launched."""
+        return sum(c.calls for c in self.ops.values()) + self.recompute_calls
 
 
 def _tensors(tree):
@@ -66,6 +79,7 @@ class OpCounter(TorchDispatchMode):
         flops = flop_registry[packet](*args, **kwargs, out_val=out) if packet in flop_registry else 0
         if is_recomputing():
             self.counts.recompute_flops += flops
+            self.counts.recompute_calls += 1
             return out
         inputs = list(_tensors((args, kwargs)))
         in_ptrs = {_ptr(t) for t in inputs}

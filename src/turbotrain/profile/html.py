@@ -8,6 +8,8 @@ import io
 import json
 from pathlib import Path
 
+from ..utils import atomic_write, require
+
 __all__ = ["write_outputs", "render_html"]
 
 
@@ -18,8 +20,7 @@ def _png(fig) -> str:
 
 
 def _charts(report) -> list[str]:
-    import matplotlib
-
+    matplotlib = require("matplotlib", "bench", "the profile's HTML report")
     matplotlib.use("Agg")  # headless: no display on benchmark machines
     from matplotlib import pyplot as plt
 
@@ -81,10 +82,11 @@ ignored). Bound: arithmetic intensity against the ridge point peak FLOP/s / peak
 def write_outputs(report, prof, out_dir, title: str) -> None:
     """trace.json (open in ui.perfetto.dev or chrome://tracing), profile.json and report.html."""
     out = Path(out_dir)
+    require("matplotlib", "bench", "the profile's HTML report")  # before anything is written
     out.mkdir(parents=True, exist_ok=True)
     trace = out / "trace.json"
     prof.export_chrome_trace(str(trace))
     report.trace_path = str(trace)
     report.html_path = str(out / "report.html")
-    (out / "report.html").write_text(render_html(report, title), encoding="utf-8")
-    (out / "profile.json").write_text(json.dumps(report.to_dict(), indent=1, default=str), encoding="utf-8")
+    atomic_write(out / "report.html", render_html(report, title))
+    atomic_write(out / "profile.json", json.dumps(report.to_dict(), indent=1, default=str))

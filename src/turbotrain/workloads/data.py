@@ -17,18 +17,23 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import sys
 import sysconfig
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
-import numpy as np
 import torch
 
 from ..errors import ConfigError, check_positive
+from ..utils import atomic_write, require
+
+if TYPE_CHECKING:  # numpy comes with the text extra; imported where the arrays are built
+    import numpy as np
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     # building and loading the corpus
@@ -209,27 +214,6 @@ def _cache_key(spec: CorpusSpec, files: list[tuple[str, int]]) -> str:
     return h.hexdigest()[:16]
 
 
-def _atomic_write(path: Path, write) -> None:
-    """Write through ``write(fileobj)`` into a temp file beside ``path``, then os.replace it in:
-    readers (and concurrent builders) never see a half-written file."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; a shared cache should be readable
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
 # ----------------------------------------------------------------------------- build
 
 
@@ -254,6 +238,8 @@ def _train_tokenizer(texts: list[str], vocab_size: int):
 
 def _encode_files(tokenizer, root: Path, paths: list[str], eot_id: int) -> tuple[np.ndarray, int]:
     """One uint16 stream: each file's tokens followed by EOT. Returns (tokens, characters)."""
+    import numpy as np
+
     pieces, chars = [], 0
     chunk = 128  # files per encode_batch call: parallel, yet bounded memory for the Encodings
     for start in range(0, len(paths), chunk):
@@ -266,6 +252,8 @@ def _encode_files(tokenizer, root: Path, paths: list[str], eot_id: int) -> tuple
 
 
 def _build(spec: CorpusSpec, root: Path, files, folder: Path, key: str) -> None:
+    import numpy as np
+
     train_paths, val_paths = _split_files(files)
     sizes = dict(files)
     subset, total = [], 0
@@ -279,10 +267,11 @@ def _build(spec: CorpusSpec, root: Path, files, folder: Path, key: str) -> None:
     train, train_chars = _encode_files(tokenizer, root, train_paths, eot_id)
     val, val_chars = _encode_files(tokenizer, root, val_paths, eot_id)
 
+    # atomic writes: readers (and concurrent builders) never see a half-written file
     folder.mkdir(parents=True, exist_ok=True)
-    _atomic_write(folder / "tokenizer.json", lambda f: f.write(tokenizer.to_str().encode()))
-    _atomic_write(folder / "train.npy", lambda f: np.save(f, train))
-    _atomic_write(folder / "val.npy", lambda f: np.save(f, val))
+    atomic_write(folder / "tokenizer.json", tokenizer.to_str())
+    atomic_write(folder / "train.npy", lambda f: np.save(f, train))
+    atomic_write(folder / "val.npy", lambda f: np.save(f, val))
     info = {
         "key": key,
         "stdlib": str(root),
@@ -295,7 +284,7 @@ def _build(spec: CorpusSpec, root: Path, files, folder: Path, key: str) -> None:
         "spec": asdict(spec),
     }
     # Written last: its presence marks a complete cache folder.
-    _atomic_write(folder / "meta.json", lambda f: f.write(json.dumps(info, indent=1).encode()))
+    atomic_write(folder / "meta.json", json.dumps(info, indent=1))
 
 
 _LOADED: dict[tuple[str, str], Corpus] = {}
@@ -312,7 +301,10 @@ def load_corpus(
     """The tokenized stdlib corpus, built on first use (~15 s on 2 cores) and cached after.
 
     ``cache_dir`` overrides ``$TURBOTRAIN_CACHE``; ``stdlib`` overrides the source folder (tests).
+    Needs the ``text`` extra (tokenizers, numpy).
     """
+    for module in ("tokenizers", "numpy"):
+        require(module, "text", "the text workloads (gpt, llama, bert)")
     spec = CorpusSpec(vocab_size=vocab_size, max_chars=max_chars, tokenizer_chars=tokenizer_chars)
     root = Path(stdlib) if stdlib is not None else stdlib_root()
     files = stdlib_source_files(root, spec.max_chars)
@@ -327,6 +319,7 @@ def load_corpus(
     if memo_key in _LOADED:
         return _LOADED[memo_key]
     if not (folder / "meta.json").exists():
+        logger.info("building the tokenized stdlib corpus in %s (once; ~15 s on 2 cores)", folder)
         _build(spec, root, files, folder, key)
     corpus = _read_cache(folder)
     _LOADED[memo_key] = corpus
@@ -334,6 +327,7 @@ def load_corpus(
 
 
 def _read_cache(folder: Path) -> Corpus:
+    import numpy as np
     from tokenizers import Tokenizer
 
     info = json.loads((folder / "meta.json").read_text())

@@ -1,7 +1,7 @@
 """The data-parallel benchmark ladder: what each way of exchanging gradients costs, and what it loses.
 
-    turbotrain dp-bench --nproc 2 [--link 1gbit] [--quick]
-    >>> from turbotrain.comm.ladder import DP_ROWS
+    turbotrain bench --nproc 2 [--link 1gbit] [--quick]
+    >>> from turbotrain.bench.dp_ladder import DP_ROWS
     >>> list(DP_ROWS)
     ['ddp', 'ddp+accumulate4', 'ddp+bf16', 'ddp+powersgd', 'ddp+onebit']
 
@@ -42,7 +42,7 @@ Choices, and why:
   whether it converges to the same place.
 * ``quick=True``: the bench's quick gpt (d=128, 2 layers, T=64, B=4), 3 + 8 steps, 2 val batches:
   start-up dominates, ~90 s for the whole ladder; a smoke test, not a benchmark.
-* ``link='1gbit'`` runs each job inside ``scripts/shape-link.sh`` (a private network namespace
+* ``link='1gbit'`` runs each job inside ``shape-link.sh`` (shipped in turbotrain/bench/data: a private network namespace
   whose loopback is tc-shaped). Both directions share the one shaped egress, like a half-duplex
   link. Without root, ``ip`` or ``tc`` it raises HardwareError rather than measure unshaped.
 """
@@ -54,23 +54,25 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
+from importlib import resources
 from pathlib import Path
 
 import torch
 
+from ..comm.launch import torchrun_command
 from ..errors import ConfigError, HardwareError, check_choice, check_positive
-from .ladder_worker import LadderSpec
+from ..utils import atomic_write, check_output_dir
+from .console import escape, make_console
+from .dp_worker import LadderSpec
 
 __all__ = [
     "DP_ROWS", "DpRow", "BASELINE_ROW", "DEFAULT_STEPS", "DEFAULT_WARMUP", "QUICK_STEPS", "QUICK_WARMUP",
     "run_dp_ladder", "comm_overhead", "parse_rate", "link_floor_seconds", "check_link",
-    "add_dp_arguments", "dp_bench_main", "add_cli", "main", "row_metrics",
+    "row_metrics", "shape_link_script", "DEFAULT_PRECISION",
 ]
 
 SCHEMA = "turbotrain-dp-bench/1"
@@ -79,7 +81,6 @@ QUICK_STEPS, QUICK_WARMUP = 3, 8
 #: 'auto' is resolved once by the ladder (bf16-master where bf16 matmul is native, fp32 elsewhere) and
 #: the concrete mode is what every job runs and the header records.
 DEFAULT_PRECISION = "auto"
-SHAPE_LINK = Path(__file__).resolve().parents[3] / "scripts" / "shape-link.sh"
 
 
 @dataclass(frozen=True)
@@ -135,12 +136,19 @@ def link_floor_seconds(wire_bytes: float, world: int, rate: str) -> float:
     return 2 * (world - 1) * wire_bytes * 8 / parse_rate(rate)
 
 
+def shape_link_script() -> Path:
+    """The path of ``shape-link.sh``, installed with the package as data."""
+    path = Path(str(resources.files("turbotrain.bench") / "data" / "shape-link.sh"))
+    if not path.is_file():  # e.g. a zipped install, where package data is no file bash can run
+        raise HardwareError(f"link shaping needs {path}, which this installation lacks; reinstall turbotrain "
+                            "from a wheel or a source checkout, or drop --link to measure on plain loopback")
+    return path
+
+
 def check_link(rate: str) -> None:
-    """HardwareError naming the fix unless ``scripts/shape-link.sh --rate RATE`` can run here."""
+    """HardwareError naming the fix unless ``shape-link.sh --rate RATE`` can run here."""
     parse_rate(rate)
-    if not SHAPE_LINK.exists():
-        raise HardwareError(f"link shaping needs {SHAPE_LINK}, which this installation lacks; run from a "
-                            "turbotrain source checkout, or drop --link to measure on plain loopback")
+    script = shape_link_script()
     if os.geteuid() != 0:
         raise HardwareError("--link needs root to create a network namespace (ip netns) and shape its loopback "
                             "(tc); run as root (sudo), or drop --link to measure on plain loopback")
@@ -148,18 +156,12 @@ def check_link(rate: str) -> None:
     if missing:
         raise HardwareError(f"--link needs {' and '.join(missing)}; install iproute2 (apt-get install iproute2) "
                             "or drop --link")
-    probe = subprocess.run(["bash", str(SHAPE_LINK), "--rate", rate, "--", "true"], capture_output=True,
+    probe = subprocess.run(["bash", str(script), "--rate", rate, "--", "true"], capture_output=True,
                            text=True, timeout=60)
     if probe.returncode != 0:
         tail = (probe.stderr.strip().splitlines() or ["no output"])[-1]
         raise HardwareError(f"could not create a shaped network namespace ({tail}); this container may forbid "
                             "network namespaces (needs CAP_NET_ADMIN); drop --link to measure on plain loopback")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _job_env(threads: int) -> dict:
@@ -175,11 +177,10 @@ def _run_job(spec: LadderSpec, nproc: int, link: str | None, workdir: Path, time
     name = spec.row.replace("+", "_")
     spec_path, result_path, log_path = (workdir / f"{name}.{k}" for k in ("spec.json", "result.json", "log"))
     spec_path.write_text(json.dumps(asdict(spec)))
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1",
-           "--master_addr=127.0.0.1", f"--master_port={_free_port()}",
-           "-m", "turbotrain.comm.ladder_worker", str(spec_path), str(result_path)]
+    # one node: the rendezvous store listens on 127.0.0.1 only, on a port it picked itself
+    cmd = torchrun_command(nproc, "turbotrain.bench.dp_worker", [str(spec_path), str(result_path)], module=True)
     if link:
-        cmd = ["bash", str(SHAPE_LINK), "--rate", link, "--", *cmd]
+        cmd = ["bash", str(shape_link_script()), "--rate", link, "--", *cmd]
     t0 = time.perf_counter()
     with open(log_path, "w") as log:
         # own session, so a timeout ends torchrun, its ranks and the namespace wrapper together
@@ -206,7 +207,7 @@ def _run_job(spec: LadderSpec, nproc: int, link: str | None, workdir: Path, time
 
 # --------------------------------------------------------------------------------------- results
 def _summary(values: list[float]) -> dict:
-    from ..bench.stats import summarize
+    from .stats import summarize
 
     return summarize(values).to_dict()
 
@@ -217,7 +218,7 @@ def _metric(unit: str, median, p20=None, p80=None) -> dict:
 
 def row_metrics(dp: dict, local: dict | None, baseline: dict | None) -> dict[str, dict]:
     """Every metric of one row from its dp result, its local result and the baseline row's dp result."""
-    from ..bench.stats import relative_change, throughput
+    from .stats import relative_change, throughput
 
     t = _summary(dp["step_seconds"])
     items, unit = dp["items_per_step"], dp["unit"]
@@ -269,7 +270,7 @@ def _print_table(console, doc: dict) -> None:
     for name, row in doc["configs"].items():
         m = row.get("metrics")
         if m is None:
-            table.add_row(name, f"[red]error[/]: {row.get('error', '?')}", *[""] * 6)
+            table.add_row(name, f"[red]error[/]: {escape(str(row.get('error', '?')))}", *[""] * 6)
             continue
 
         def get(metric, pattern, scale=1.0):
@@ -325,22 +326,15 @@ def run_dp_ladder(workload: str = "gpt", nproc: int = 2, steps: int | None = Non
                   overrides: dict | None = None, *, warmup: int | None = None, precision: str = DEFAULT_PRECISION,
                   seed: int = 0, timeout: float = 900.0, console=None) -> dict:
     """Run the ladder, print the environment line and table, write ``out_dir/dp_results.json``; returns it."""
-    from rich.console import Console
-
-    from ..bench.runner import QUICK_OVERRIDES
     from ..precision.config import PRECISIONS
+    from .runner import QUICK_OVERRIDES
 
-    console = console or (Console() if sys.stdout.isatty() else Console(width=160))
+    out = check_output_dir(out_dir)
+    console = make_console(console)
     names = list(dict.fromkeys(configs or DP_ROWS))
     for name in names:
         check_choice("dp ladder config", name, tuple(DP_ROWS))
     check_choice("precision", precision, PRECISIONS)
-    precision_note = None
-    if precision == "auto":
-        from ..precision.policy import resolve_precision
-
-        precision, reason = resolve_precision("auto", torch.device("cpu"))
-        precision_note = f"precision 'auto' chose {precision!r}: {reason}"
     if nproc < 2:
         raise ConfigError(f"nproc={nproc}: a data-parallel ladder needs at least 2 ranks (--nproc 2)")
     steps = steps or (QUICK_STEPS if quick else DEFAULT_STEPS)
@@ -349,6 +343,12 @@ def run_dp_ladder(workload: str = "gpt", nproc: int = 2, steps: int | None = Non
         raise ConfigError(f"warmup={warmup} must be >= 2: compression starts at step warmup-1, untimed")
     if link:
         check_link(link)
+    precision_note = None
+    if precision == "auto":
+        from ..precision.policy import resolve_precision
+
+        precision, reason = resolve_precision("auto", torch.device("cpu"))
+        precision_note = f"precision 'auto' chose {precision!r}: {reason}"
     overrides = {**(QUICK_OVERRIDES.get(workload, {}) if quick else {}), **(overrides or {})}
     val_batches = 2 if quick else 4
     doc_header = _header(workload, overrides, names, nproc, steps, warmup, precision, link, quick, seed, val_batches)
@@ -362,7 +362,7 @@ def run_dp_ladder(workload: str = "gpt", nproc: int = 2, steps: int | None = Non
         doc_header["notes"].append("quick mode: tiny model, few steps; a smoke test, not a benchmark")
     if precision_note:
         doc_header["notes"].append(precision_note)
-        console.print(f"[yellow]note[/] {precision_note}")
+        console.print(f"[yellow]note[/] {escape(precision_note)}")
 
     common = dict(workload=workload, overrides=overrides, precision=precision, steps=steps, warmup=warmup,
                   comm_warmup=warmup - 1, seed=seed, val_batches=val_batches, threads=1)
@@ -380,18 +380,16 @@ def run_dp_ladder(workload: str = "gpt", nproc: int = 2, steps: int | None = Non
                 results[name] = _run_job(spec, nproc, link, Path(tmp), timeout)
             r = results[name]
             state = f"{_summary(r['step_seconds'])['median'] * 1e3:.0f} ms/step" if r["status"] == "ok" else r["error"]
-            console.print(f"  {kind:5} {name:<20} {state}  [dim]({r['job_seconds']:.0f} s)[/]")
+            console.print(f"  {kind:5} {name:<20} {escape(str(state))}  [dim]({r['job_seconds']:.0f} s)[/]")
     doc = _build_doc(doc_header, names, results)
-    _print_table(console, doc)
-    for note in doc_header["notes"]:
-        console.print(f"[yellow]note[/] {note}")
-    out = Path(out_dir)
+    # the results first: whatever the terminal does with the table, the measurements are kept
     out.mkdir(parents=True, exist_ok=True)
     path = out / "dp_results.json"
-    tmp_path = path.with_suffix(".tmp")
-    tmp_path.write_text(json.dumps(doc, indent=1))
-    os.replace(tmp_path, path)
-    console.print(f"wrote {path}")
+    atomic_write(path, json.dumps(doc, indent=1))
+    _print_table(console, doc)
+    for note in doc_header["notes"]:
+        console.print(f"[yellow]note[/] {escape(note)}")
+    console.print(f"wrote {escape(path)}")
     return doc
 
 
@@ -426,67 +424,3 @@ def _build_doc(header: dict, names: list[str], results: dict) -> dict:
     doc = {"schema": SCHEMA, "header": header, "rows": rows, "configs": configs}
     header["notes"].append(_target_note(doc))
     return doc
-
-
-# ------------------------------------------------------------------------------------------- CLI
-def add_dp_arguments(parser, *, shared: bool = True) -> None:
-    """Add the ladder's options; ``shared=False`` skips those ``turbotrain bench`` already has
-    (--workload, --configs, --steps, --warmup, --quick, --out, --seed, --timeout)."""
-    parser.add_argument("--nproc", type=int, default=None,
-                        help="ranks of the data-parallel ladder (turbotrain bench: giving it runs this ladder)")
-    parser.add_argument("--link", default=None, metavar="RATE",
-                        help="shape the ranks' loopback to a tc rate, e.g. 1gbit (needs root, ip, tc)")
-    parser.add_argument("--dp-precision", default=DEFAULT_PRECISION, help="Engine precision of every row")
-    if shared:
-        parser.add_argument("--workload", default="gpt")
-        parser.add_argument("--configs", default=None, help="comma list from " + ", ".join(DP_ROWS))
-        parser.add_argument("--steps", type=int, default=None,
-                            help=f"measured optimizer steps (default {DEFAULT_STEPS}, quick {QUICK_STEPS})")
-        parser.add_argument("--warmup", type=int, default=None,
-                            help=f"untimed steps (default {DEFAULT_WARMUP}, quick {QUICK_WARMUP})")
-        parser.add_argument("--quick", action="store_true", help="tiny model: a ~90 s smoke test")
-        parser.add_argument("--out", default="bench-out", help="directory for dp_results.json")
-        parser.add_argument("--seed", type=int, default=0)
-        parser.add_argument("--timeout", type=float, default=900.0, help="seconds one job may take")
-
-
-def dp_bench_main(args) -> int:
-    """Run the ladder from parsed arguments; exit 2 on bad settings, 1 if every row failed."""
-    from ..errors import TurbotrainError
-
-    configs = [c.strip() for c in args.configs.split(",") if c.strip()] if getattr(args, "configs", None) else None
-    try:
-        doc = run_dp_ladder(
-            workload=getattr(args, "workload", "gpt"), nproc=args.nproc or 2, steps=getattr(args, "steps", None),
-            configs=configs, link=args.link, out_dir=getattr(args, "out", "bench-out"),
-            quick=getattr(args, "quick", False), warmup=getattr(args, "warmup", None),
-            precision=getattr(args, "dp_precision", DEFAULT_PRECISION), seed=getattr(args, "seed", 0),
-            timeout=getattr(args, "timeout", 900.0))
-    except TurbotrainError as exc:
-        print(f"turbotrain dp-bench: {exc}", file=sys.stderr)
-        return 2
-    failed = [n for n, c in doc["configs"].items() if c.get("status") != "ok"]
-    if failed:
-        print(f"turbotrain dp-bench: {len(failed)} row(s) failed: {', '.join(failed)}", file=sys.stderr)
-    return 1 if failed and len(failed) == len(doc["configs"]) else 0
-
-
-def add_cli(subparsers) -> None:
-    """Register ``turbotrain dp-bench``."""
-    p = subparsers.add_parser("dp-bench", help="data-parallel ladder: DDP and its compressions vs local steps",
-                              description=__doc__.splitlines()[0])
-    add_dp_arguments(p)
-    p.set_defaults(func=dp_bench_main)
-
-
-def main(argv=None) -> int:
-    """``python -m turbotrain.comm.ladder [options]``: the ladder before it is wired into the CLI."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="turbotrain dp-bench", description=__doc__.splitlines()[0])
-    add_dp_arguments(parser)
-    return dp_bench_main(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -8,31 +8,35 @@ Conventions (those of nccl-tests, so the figures compare with theirs):
   carries in a bandwidth-optimal algorithm, comparable to the link's own speed.
 * ``time`` is the median over iterations of the slowest rank's time for one collective.
 
-Run ``turbotrain comm-bench --nproc 2 --backend gloo`` on a laptop; with ``--nproc`` outside a
-launcher it re-runs itself under torchrun.
+Run ``turbotrain comm-bench --nproc 2 --backend gloo`` on a laptop; outside a launcher the command
+re-runs itself under torchrun (``turbotrain.comm.launch``), and every rank calls ``run_bench``.
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
 import platform
+import re
 import statistics
-import subprocess
-import sys
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from .collectives import all_gather_flat, reduce_scatter_flat
+from ..comm.collectives import all_gather_flat, reduce_scatter_flat
+from ..errors import ConfigError, check_choice, check_number
+from ..utils import atomic_write, sync_device
+from .stats import percentile
 
-__all__ = ["OPS", "bus_factor", "parse_size", "size_sweep", "add_arguments", "run_bench", "main"]
+__all__ = ["OPS", "DTYPES", "CommBenchSettings", "bus_factor", "parse_size", "size_sweep", "under_launcher",
+           "run_bench", "format_table"]
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def bus_factor(op: str, world: int) -> float:
@@ -43,14 +47,27 @@ def bus_factor(op: str, world: int) -> float:
         return (world - 1) / world
     if op == "broadcast":
         return 1.0
-    raise ValueError(f"unknown collective {op!r}; choose from {', '.join(OPS)}")
+    raise ConfigError(f"unknown collective {op!r}; choose from {', '.join(OPS)}")
 
 
-def parse_size(text: str) -> int:
-    """'64', '4K', '1M', '2G' (binary units) -> bytes."""
-    text = text.strip().upper().removesuffix("B")
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-    return int(float(text[:-1] if mult > 1 else text) * mult)
+_SIZE = re.compile(r"^(\d+(?:\.\d*)?|\.\d+)\s*([KMGT]?)(?:I?B)?$")
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(text: str, name: str = "size") -> int:
+    """'64', '4K', '1M', '2G', '1.5MiB' (binary units) -> bytes; ConfigError for anything else.
+
+    >>> parse_size("64M")
+    67108864
+    """
+    match = _SIZE.match(str(text).strip().upper())
+    if not match:
+        raise ConfigError(f"{name} {text!r} is not a size; write bytes with an optional binary unit, "
+                          "e.g. 1024, 1K, 64M or 1G")
+    size = int(float(match.group(1)) * _UNITS[match.group(2)])
+    if size < 1:
+        raise ConfigError(f"{name} {text!r} is less than one byte")
+    return size
 
 
 def size_sweep(min_bytes: int, max_bytes: int, factor: int) -> list[int]:
@@ -62,14 +79,39 @@ def size_sweep(min_bytes: int, max_bytes: int, factor: int) -> list[int]:
     return sizes
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+@dataclass(frozen=True)
+class CommBenchSettings:
+    """One comm-bench run; validated before any process starts."""
 
+    backend: str = "auto"
+    """'auto' (NCCL on GPUs, else gloo), 'gloo' or 'nccl'."""
+    ops: tuple[str, ...] = OPS
+    min_bytes: int = 1 << 10
+    max_bytes: int = 16 << 20
+    factor: int = 4
+    """Size multiplier between rows."""
+    iters: int = 20
+    warmup: int = 3
+    dtype: str = "float32"
+    link_gbps: float | None = None
+    """Link speed in Gbit/s, printed as the busbw limit."""
+    out: str | None = None
+    """Where rank 0 writes the rows as JSON."""
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    def __post_init__(self):
+        check_choice("--backend", self.backend, ("auto", "gloo", "nccl"))
+        if not self.ops:
+            raise ConfigError(f"--ops is empty; give a comma list from {', '.join(OPS)}")
+        for op in self.ops:
+            check_choice("--ops entry", op, OPS)
+        check_number("--min-bytes", self.min_bytes, integer=True, minimum=1)
+        check_number("--max-bytes", self.max_bytes, integer=True, minimum=self.min_bytes)
+        check_number("--factor", self.factor, integer=True, minimum=2)
+        check_number("--iters", self.iters, integer=True, minimum=1)
+        check_number("--warmup", self.warmup, integer=True, minimum=0)
+        check_choice("--dtype", self.dtype, tuple(DTYPES))
+        if self.link_gbps is not None:
+            check_number("--link-gbps", self.link_gbps, minimum=0, exclusive=True)
 
 
 def _buffers(op: str, count: int, world: int, dtype, device):
@@ -114,16 +156,16 @@ def measure(op: str, size: int, dtype, device, iters: int, warmup: int) -> dict 
         return None
     inp, out = _buffers(op, count, world, dtype, device)
     _run_once(op, inp, out)
-    _sync(device)
+    sync_device(device)
     wrong = _wrong(op, out, world, count)
     for _ in range(warmup):
         _run_once(op, inp, out)
-    _sync(device)
+    sync_device(device)
     times = []
     for _ in range(iters):
         start = time.perf_counter()
         _run_once(op, inp, out)
-        _sync(device)
+        sync_device(device)
         times.append(time.perf_counter() - start)
     # Slowest rank per iteration: a collective is only done when every rank is.
     slowest = torch.tensor(times, dtype=torch.float64, device=device)
@@ -135,7 +177,7 @@ def measure(op: str, size: int, dtype, device, iters: int, warmup: int) -> dict 
     return {
         "op": op, "size": nbytes, "count": count, "type": str(dtype).removeprefix("torch."),
         "redop": "sum" if op in ("all_reduce", "reduce_scatter") else "none",
-        "time_us": median * 1e6, "p20_us": percentile(times, 0.2) * 1e6, "p80_us": percentile(times, 0.8) * 1e6,
+        "time_us": median * 1e6, "p20_us": percentile(times, 20) * 1e6, "p80_us": percentile(times, 80) * 1e6,
         "algbw": algbw, "busbw": algbw * bus_factor(op, world), "wrong": wrong,
     }
 
@@ -150,21 +192,6 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--nproc", type=int, default=None, help="local ranks to spawn through torchrun (default: GPUs, or 2 on CPU)")
-    p.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")
-    p.add_argument("--ops", default=",".join(OPS), help="comma list from " + ", ".join(OPS))
-    p.add_argument("--min-bytes", default="1K")
-    p.add_argument("--max-bytes", default="16M")
-    p.add_argument("--factor", type=int, default=4, help="size multiplier between rows")
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--dtype", choices=tuple(_DTYPES), default="float32")
-    p.add_argument("--link-gbps", type=float, default=None, help="link speed in Gbit/s, printed as the busbw limit")
-    p.add_argument("--nccl-preset", default=None, help="NCCL preset applied before spawning (see `turbotrain launch`)")
-    p.add_argument("--out", default=None, help="write the rows as JSON here")
-
-
 def _environment(info) -> dict:
     return {
         "device": str(info.device) if info.device.type == "cpu" else torch.cuda.get_device_name(info.device),
@@ -175,26 +202,26 @@ def _environment(info) -> dict:
     }
 
 
-def run_bench(args) -> int:
-    """Inside a launched job: measure on every rank, print and write on rank 0."""
-    from .env import init
+def run_bench(settings: CommBenchSettings) -> int:
+    """Inside a launched job: measure on every rank, print the tables and write the rows on rank 0.
 
-    ops = [o.strip() for o in args.ops.split(",") if o.strip()]
-    for op in ops:
-        bus_factor(op, 2)  # validates the name
-    info = init(None if args.backend == "auto" else args.backend)
+    Returns 1 if any collective gave a wrong answer, else 0.
+    """
+    from ..comm.env import init
+
+    info = init(None if settings.backend == "auto" else settings.backend)
     env = _environment(info)
-    dtype = _DTYPES[args.dtype]
+    dtype = DTYPES[settings.dtype]
     stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    sizes = size_sweep(parse_size(args.min_bytes), parse_size(args.max_bytes), args.factor)
+    sizes = size_sweep(settings.min_bytes, settings.max_bytes, settings.factor)
     rows = []
     if info.is_main:
         print("# comm-bench: " + json.dumps(env))
         print("# time = median of the slowest rank; busbw = algbw x nccl-tests bus factor")
-        if args.link_gbps:
-            print(f"# link limit: {args.link_gbps:g} Gbit/s = {args.link_gbps / 8:.3f} GB/s of busbw")
-    for op in ops:
-        op_rows = [r for r in (measure(op, s, dtype, info.device, args.iters, args.warmup) for s in sizes) if r]
+        if settings.link_gbps:
+            print(f"# link limit: {settings.link_gbps:g} Gbit/s = {settings.link_gbps / 8:.3f} GB/s of busbw")
+    for op in settings.ops:
+        op_rows = [r for r in (measure(op, s, dtype, info.device, settings.iters, settings.warmup) for s in sizes) if r]
         if info.is_main:
             print(f"\n# {op}  (bus factor {bus_factor(op, info.world_size):.3f})")
             print(format_table(op_rows))
@@ -206,56 +233,20 @@ def run_bench(args) -> int:
                 "median": r["busbw"], "p20": r["busbw"] * r["time_us"] / r["p80_us"],
                 "p80": r["busbw"] * r["time_us"] / r["p20_us"],
                 "time_us": r["time_us"], "algbw": r["algbw"], "busbw": r["busbw"], "wrong": r["wrong"],
-                "limit_GBps": args.link_gbps / 8 if args.link_gbps else None,
+                "limit_GBps": settings.link_gbps / 8 if settings.link_gbps else None,
                 "device": env["device"], "versions": env["versions"], "timestamp": stamp,
             })
-    if info.is_main and args.out:
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
-        print(f"\n# wrote {len(rows)} rows to {args.out}")
+    if info.is_main and settings.out:
+        Path(settings.out).absolute().parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(settings.out, json.dumps(rows, indent=1))
+        print(f"\n# wrote {len(rows)} rows to {settings.out}")
     dist.barrier()
     dist.destroy_process_group()
     return 1 if any(r["wrong"] for r in rows) else 0
 
 
-def _under_launcher() -> bool:
-    from .env import LAUNCHERS
+def under_launcher() -> bool:
+    """True inside a torchrun / MPI / Slurm job (its rank variable is set)."""
+    from ..comm.env import LAUNCHERS
 
     return any(rank_var in os.environ for _, rank_var, _, _ in LAUNCHERS)
-
-
-def cli_main(args) -> int:
-    """``turbotrain comm-bench``: run here if launched, else spawn ``--nproc`` ranks via torchrun."""
-    if _under_launcher():
-        return run_bench(args)
-    nproc = args.nproc
-    if nproc is None:
-        nproc = torch.cuda.device_count() or 2
-        print(f"# comm-bench: --nproc not given; using {nproc} ({'GPUs visible' if torch.cuda.is_available() else 'CPU default'})")
-    env = dict(os.environ)
-    if args.nccl_preset:
-        from .nccl import apply_preset, format_env
-
-        print("# NCCL environment:\n" + format_env(apply_preset(args.nccl_preset, environ=env)))
-    # Rebuilt from our own options only: the top-level parser may have added others to args.
-    own = argparse.ArgumentParser(add_help=False)
-    add_arguments(own)
-    passthrough: list[str] = []
-    for action in own._actions:
-        value = getattr(args, action.dest, None)
-        if action.dest in ("nproc", "nccl_preset") or value is None:
-            continue
-        passthrough += [action.option_strings[0], str(value)]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "turbotrain.comm.bench", *passthrough]
-    return subprocess.call(cmd, env=env)
-
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="turbotrain comm-bench", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    return cli_main(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

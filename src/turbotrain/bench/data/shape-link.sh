@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Run a command inside a private network namespace whose loopback is shaped like a slow link.
 #
-#   sudo scripts/shape-link.sh --rate 1gbit -- .venv/bin/turbotrain comm-bench --nproc 2 --backend gloo
+#   sudo bash src/turbotrain/bench/data/shape-link.sh --rate 1gbit -- .venv/bin/turbotrain comm-bench --nproc 2 --backend gloo
+#
+# Shipped as package data: `turbotrain bench --nproc 2 --link 1gbit` runs every job through it
+# (found with turbotrain.bench.dp_ladder.shape_link_script()).
 #
 # Why a namespace's own loopback and no veth pair: the ranks of a data-parallel job on one box
 # talk over 127.0.0.1, so shaping that namespace's `lo` shapes exactly their traffic, needs no

@@ -1,7 +1,6 @@
 """One row of the data-parallel ladder, run on every rank of a torchrun job.
 
-    python -m torch.distributed.run --nproc_per_node 2 --master_addr 127.0.0.1 --master_port 29511 \\
-        -m turbotrain.comm.ladder_worker SPEC.json RESULT.json
+    python -m turbotrain.comm.launch --nproc-per-node=2 --nnodes=1 -m turbotrain.bench.dp_worker SPEC.json RESULT.json
 
 ``mode='dp'`` trains through ``Engine(Config(data_parallel=...))``; ``mode='local'`` trains the
 same model on the same per-rank batches with no DDP at all, so the two step times differ only by
@@ -27,8 +26,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..bench.worker import error_result, write_result
 from ..errors import ConfigError
+from .worker import error_result, write_result
 
 __all__ = ["LadderSpec", "MODES", "run_rank", "main"]
 
@@ -76,9 +75,8 @@ def _batches(workload, split: str, count: int, seed: int) -> list:
 
 
 def _build_engine(spec: LadderSpec, workload):
-    from .. import Config, Engine
-    from ..bench.configs import make_optimizer
-    from .config import DataParallelConfig
+    from .. import Config, DataParallelConfig, Engine
+    from .configs import make_optimizer
 
     torch.manual_seed(spec.seed)
     model = workload.build_model()  # seeded by the workload: the same initial weights on every rank
@@ -87,7 +85,12 @@ def _build_engine(spec: LadderSpec, workload):
         dp = DataParallelConfig(compression=spec.compression, warmup_steps=spec.comm_warmup,
                                 powersgd_rank=spec.powersgd_rank)
     config = Config(precision=spec.precision, accumulate=spec.accumulate, data_parallel=dp, device="cpu")
-    return Engine(model, make_optimizer(model.parameters()), workload.loss_fn, config=config)
+    optimizer = make_optimizer(model.parameters())
+    if spec.mode == "dp" and spec.compression == "onebit":
+        from ..comm.ddp import to_onebit_adam
+
+        optimizer = to_onebit_adam(optimizer, spec.comm_warmup)
+    return Engine(model, optimizer, workload.loss_fn, config=config)
 
 
 def _counters(engine) -> tuple[int, int, int]:
@@ -107,7 +110,7 @@ def _params_checksum(engine) -> float:
 
 def run_rank(spec: LadderSpec) -> dict | None:
     """Train and time this rank's share; rank 0 returns the result dict, other ranks None."""
-    from . import init
+    from ..comm.env import init
     from ..workloads import get_workload
 
     torch.set_num_threads(spec.threads)
@@ -172,7 +175,7 @@ def run_rank(spec: LadderSpec) -> dict | None:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 2:
-        print("usage: python -m turbotrain.comm.ladder_worker SPEC.json RESULT.json (under torchrun)", file=sys.stderr)
+        print("usage: python -m turbotrain.bench.dp_worker SPEC.json RESULT.json (under torchrun)", file=sys.stderr)
         return 2
     spec_path, result_path = map(Path, argv)
     spec = LadderSpec(**json.loads(spec_path.read_text()))

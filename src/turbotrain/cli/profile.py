@@ -4,16 +4,18 @@ from __future__ import annotations
 
 from ..precision.config import PRECISIONS
 
-__all__ = ["add_cli"]
+__all__ = ["add_parsers"]
 
 
-def _cmd_profile(args) -> int:
+def _profile(args) -> int:
     import torch
 
     from .. import Config, Engine
+    from ..profile import profile
+    from ..utils import check_output_dir
     from ..workloads import get_workload  # lazy: the registry imports every workload's model code
-    from .core import profile
 
+    check_output_dir(args.out)
     workload = get_workload(args.workload)
     torch.manual_seed(args.seed)
     model = workload.build_model()
@@ -32,9 +34,9 @@ def _cmd_profile(args) -> int:
     return 0
 
 
-def add_cli(subparsers) -> None:
+def add_parsers(subparsers, parents=()) -> None:
     """Register ``turbotrain profile``."""
-    p = subparsers.add_parser("profile", help="where a training step's time goes, and what to turn on")
+    p = subparsers.add_parser("profile", parents=parents, help="where a training step's time goes, and what to turn on")
     p.add_argument("--workload", required=True)
     p.add_argument("--precision", default="fp32", choices=PRECISIONS)
     p.add_argument("--fuse", action="store_true", help="Config(fuse=True)")
@@ -48,4 +50,4 @@ def add_cli(subparsers) -> None:
     p.add_argument("--peak-tflops", type=float, help="peak FLOP/s for MFU (default: measured by turbotrain.hardware)")
     p.add_argument("--peak-gbps", type=float, help="peak memory bandwidth in GB/s (default: measured)")
     p.add_argument("--out", default="profile-out", help="folder for trace.json, profile.json, report.html")
-    p.set_defaults(func=_cmd_profile)
+    p.set_defaults(func=_profile)
