@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, fields, replace
 
 from .comm.config import DataParallelConfig
 from .errors import ConfigError, check_bool, check_choice, check_number
+from .parallel.config import ParallelConfig
 from .precision.config import PRECISIONS, LossScaleConfig
 
 __all__ = ["Config", "CHECKPOINT_MODES", "DEVICES", "FUSION_PATTERNS"]
@@ -52,6 +53,8 @@ class Config:
     """Activation checkpointing: None, 'blocks' (every block) or 'selective' (keep matmul outputs)."""
     data_parallel: DataParallelConfig | bool | None = None
     """True or a DataParallelConfig to train data-parallel over torch.distributed."""
+    parallel: ParallelConfig | bool | None = None
+    """True or a ParallelConfig to shard the model (FSDP2, HSDP, tensor/sequence parallel); not with data_parallel."""
     nan_check: bool = False
     """One fused finiteness test of the loss per step; on failure find the origin module."""
     device: str = "auto"
@@ -77,6 +80,13 @@ class Config:
             )
         object.__setattr__(self, "fuse", _normalise_fuse(self.fuse))
         object.__setattr__(self, "data_parallel", _normalise_dp(self.data_parallel))
+        object.__setattr__(self, "parallel", _normalise_parallel(self.parallel))
+        if self.data_parallel is not None and self.parallel is not None:
+            raise ConfigError(
+                "data_parallel and parallel were both given; choose one: parallel=ParallelConfig(...) shards the "
+                "model (FSDP2; dp_shard=1 with dp_replicate=N replicates it like DDP), data_parallel=True "
+                "replicates it with DDP and its gradient compression"
+            )
         object.__setattr__(self, "seq_buckets", _normalise_buckets(self.seq_buckets))
 
     def replace(self, **changes) -> "Config":
@@ -97,12 +107,13 @@ class Config:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Config":
-        """The inverse of to_dict: nested dicts become LossScaleConfig / DataParallelConfig.
+        """The inverse of to_dict: nested dicts become LossScaleConfig / DataParallelConfig / ParallelConfig.
 
         Unknown keys raise ConfigError (a typo must not fall back to a default silently).
         """
         values = _known_fields(cls, d, "Config")
-        for name, nested in (("loss_scale", LossScaleConfig), ("data_parallel", DataParallelConfig)):
+        for name, nested in (("loss_scale", LossScaleConfig), ("data_parallel", DataParallelConfig),
+                             ("parallel", ParallelConfig)):
             if isinstance(values.get(name), dict):
                 values[name] = nested(**_known_fields(nested, values[name], name))
         return cls(**values)
@@ -158,6 +169,18 @@ def _normalise_buckets(value) -> tuple[int, ...] | None:
         if isinstance(b, bool) or not isinstance(b, int) or b < 1:
             raise ConfigError(f"seq_buckets={value!r} is not valid; each bucket must be a positive integer ({example})")
     return tuple(sorted(set(value)))
+
+
+def _normalise_parallel(value) -> ParallelConfig | None:
+    if value is True:
+        return ParallelConfig()
+    if value is False or value is None:
+        return None
+    if not isinstance(value, ParallelConfig):
+        raise ConfigError(
+            f"parallel={value!r} is not valid; use True, False, None or a turbotrain.parallel.ParallelConfig"
+        )
+    return value
 
 
 def _normalise_dp(value) -> DataParallelConfig | None:

@@ -1,0 +1,24 @@
+"""Past one process's memory: FSDP2 sharding, tensor and sequence parallel, sharded checkpoints.
+
+Built on torch.distributed's own engines (``fully_shard``, ``parallelize_module``, DeviceMesh,
+``torch.distributed.checkpoint``); this package chooses the mesh, the plans and the mixed-precision
+policies, and fits them to the Engine's transform protocol. See docs/parallel.md.
+"""
+
+from .checkpoint import EXTRA_FILE, consolidate, load_sharded, run_consolidate, save_sharded
+from .clipping import clip_grad_norm_, grad_norm
+from .config import MESH_DIMS, ParallelConfig, ResolvedDegrees
+from .tp_plans import LAYOUTS, TPLayout, find_layout, register_layout
+from .transform import ParallelTransform, agree_found_inf, build_mesh, data_parallel_mesh, mixed_precision_policies
+
+__all__ = [
+    # configuration
+    "ParallelConfig", "ResolvedDegrees", "MESH_DIMS",
+    # the transform and its pieces
+    "ParallelTransform", "build_mesh", "data_parallel_mesh", "mixed_precision_policies", "agree_found_inf",
+    "grad_norm", "clip_grad_norm_",
+    # tensor-parallel plans
+    "TPLayout", "LAYOUTS", "register_layout", "find_layout",
+    # sharded checkpoints
+    "save_sharded", "load_sharded", "consolidate", "run_consolidate", "EXTRA_FILE",
+]
