@@ -171,25 +171,20 @@ def _normalise_buckets(value) -> tuple[int, ...] | None:
     return tuple(sorted(set(value)))
 
 
-def _normalise_parallel(value) -> ParallelConfig | None:
+def _normalise_nested(name: str, value, cls: type, spelled: str):
+    """True -> cls(), False/None -> None, an instance as it is; anything else a ConfigError."""
     if value is True:
-        return ParallelConfig()
+        return cls()
     if value is False or value is None:
         return None
-    if not isinstance(value, ParallelConfig):
-        raise ConfigError(
-            f"parallel={value!r} is not valid; use True, False, None or a turbotrain.parallel.ParallelConfig"
-        )
+    if not isinstance(value, cls):
+        raise ConfigError(f"{name}={value!r} is not valid; use True, False, None or a {spelled}")
     return value
+
+
+def _normalise_parallel(value) -> ParallelConfig | None:
+    return _normalise_nested("parallel", value, ParallelConfig, "turbotrain.parallel.ParallelConfig")
 
 
 def _normalise_dp(value) -> DataParallelConfig | None:
-    if value is True:
-        return DataParallelConfig()
-    if value is False or value is None:
-        return None
-    if not isinstance(value, DataParallelConfig):
-        raise ConfigError(
-            f"data_parallel={value!r} is not valid; use True, False, None or a turbotrain.DataParallelConfig"
-        )
-    return value
+    return _normalise_nested("data_parallel", value, DataParallelConfig, "turbotrain.DataParallelConfig")

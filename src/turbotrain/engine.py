@@ -405,18 +405,10 @@ class Engine:
                                   "use engine.save(directory), then `turbotrain ckpt consolidate` for one file")
         with self.precision.full_precision_weights():
             model_state = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
-        return {
-            "format": "turbotrain",
-            "version": ckpt.FORMAT_VERSION,
-            "model": model_state,
-            "optimizer": stock_state_dict(self.optimizer, self.plan, self._stock),
-            "optimizer_type": _qualname(self.optimizer),
-            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-            "transforms": {t.name: t.state_dict() for t in self.transforms},
-            "engine": {"steps": self.steps, "micro": self._micro, "skipped": self.skipped_steps},
-            "config": self.config.to_dict(),
-            "rng": ckpt.rng_state(),
-        }
+        state = self._resume_state()
+        state["model"] = model_state
+        state["optimizer"] = stock_state_dict(self.optimizer, self.plan, self._stock)
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         """Restore a state_dict; before set-up (fusion pending) it is applied at the first step."""
