@@ -93,7 +93,7 @@ def _spawn_comm_bench(args, settings) -> int:
 
 
 def add_parsers(subparsers, parents=()) -> None:
-    """Register ``launch`` and ``comm-bench``."""
+    """Register ``launch``, ``comm-bench`` and ``comm-plan``."""
     from ..bench.comm_bench import DTYPES, OPS
 
     p = subparsers.add_parser("launch", parents=parents,
@@ -132,3 +132,26 @@ def add_parsers(subparsers, parents=()) -> None:
     b.add_argument("--out", default=None, help="write the rows as JSON here")
     b.set_defaults(func=_comm_bench)
 
+    c = subparsers.add_parser("comm-plan", parents=parents,
+                              help="predict step time and comm overhead at 8..1024 ranks (alpha-beta model)",
+                              description="alpha-beta model of ring, tree, parameter server, hierarchical and "
+                                          "each compressor, with the NCCL settings it would pick "
+                                          "(docs/comm-plan.md states its assumptions)")
+    c.add_argument("--model-params", type=float, required=True, help="parameters in the model, e.g. 7e9")
+    c.add_argument("--link", required=True, help="inter-node link preset: 10gbe, 25gbe, 100gbe, 200ib, 400ib, nvlink")
+    c.add_argument("--nodes", type=int, required=True)
+    c.add_argument("--gpus-per-node", type=int, default=8)
+    c.add_argument("--compute-s", type=float, default=None, help="compute time of one step (default: estimated)")
+    c.add_argument("--fit", default=None, help="comm-bench JSON to fit latency and bandwidth from")
+    c.add_argument("--plot", default=None, help="write a PNG of the predictions here")
+    c.set_defaults(func=_comm_plan)
+
+
+def _comm_plan(args) -> int:
+    from ..comm.model import run_comm_plan
+
+    if args.nodes < 1 or args.gpus_per_node < 1 or args.model_params <= 0:
+        raise ConfigError("--nodes and --gpus-per-node must be >= 1 and --model-params > 0")
+    print(run_comm_plan(args.model_params, args.link, args.nodes, args.gpus_per_node, args.compute_s,
+                        args.fit, args.plot))
+    return 0

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import check_bool, check_choice, check_number
+from ..errors import ConfigError, check_bool, check_choice, check_number
 
-__all__ = ["DataParallelConfig", "COMPRESSIONS"]
+__all__ = ["DataParallelConfig", "COMPRESSIONS", "STRATEGIES"]
 
 #: Every value ``DataParallelConfig(compression=...)`` accepts.
 COMPRESSIONS = (None, "bf16", "fp16", "powersgd", "onebit")
+#: Every value ``DataParallelConfig(strategy=...)`` accepts.
+STRATEGIES = ("ring", "parameter_server", "hybrid")
 
 
 @dataclass(frozen=True)
@@ -18,6 +20,13 @@ class DataParallelConfig:
 
     compression: str | None = None
     """Gradient compression: None, 'bf16', 'fp16', 'powersgd' or 'onebit' (1-bit Adam)."""
+    strategy: str = "ring"
+    """Topology of the gradient exchange. 'ring': DDP's all-reduce (NCCL picks ring or tree).
+    'parameter_server': each bucket's gradient is cut into ``ps_servers`` shards, reduced onto
+    the server ranks and broadcast back (sparse embedding gradients too). 'hybrid': dense
+    gradients by all-reduce, sparse embedding gradients through the parameter servers."""
+    ps_servers: int = 1
+    """Ranks 0..ps_servers-1 act as parameter servers ('parameter_server' and 'hybrid'); at most the world size."""
     bucket_mb: float = 25.0
     """DDP bucket size in MiB; smaller buckets start communicating earlier in backward."""
     sync_bn: bool = False
@@ -25,7 +34,7 @@ class DataParallelConfig:
     powersgd_rank: int = 4
     """Rank of the PowerSGD low-rank approximation."""
     warmup_steps: int = 10
-    """Uncompressed optimizer steps before PowerSGD / 1-bit compression starts."""
+    """Uncompressed steps before PowerSGD starts (1-bit Adam takes its warm-up from OneBitAdam)."""
     sparse_embeddings: bool = False
     """Exchange gradients of nn.Embedding(sparse=True) sparsely instead of densely."""
     find_unused_parameters: bool = False
@@ -33,8 +42,17 @@ class DataParallelConfig:
 
     def __post_init__(self):
         check_choice("compression", self.compression, COMPRESSIONS)
+        check_choice("strategy", self.strategy, STRATEGIES)
+        check_number("ps_servers", self.ps_servers, integer=True, minimum=1)
         check_number("bucket_mb", self.bucket_mb, minimum=0, exclusive=True)
         check_number("powersgd_rank", self.powersgd_rank, integer=True, minimum=1)
         check_number("warmup_steps", self.warmup_steps, integer=True, minimum=0)
         for name in ("sync_bn", "sparse_embeddings", "find_unused_parameters"):
             check_bool(name, getattr(self, name))
+        if self.strategy == "parameter_server" and self.compression in ("powersgd", "onebit"):
+            # both replace the all-reduce with exchanges of their own; a server in the middle would
+            # need their compression on its side too
+            raise ConfigError(
+                f"strategy='parameter_server' carries the gradient as it is or cast (compression None, "
+                f"'bf16', 'fp16'), not compression={self.compression!r}; use strategy='ring' or 'hybrid' with it"
+            )

@@ -19,7 +19,7 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 
-from ..errors import DistributedError, HardwareError
+from ..errors import DistributedError, HardwareError, check_number
 
 __all__ = ["DistInfo", "LaunchEnv", "init", "read_launch_env", "is_initialized", "LAUNCHERS"]
 
@@ -164,8 +164,12 @@ def init(backend: str | None = None, timeout_s: float = 300.0) -> DistInfo:
     """Start torch.distributed from the launcher's variables; a no-op returning the info if already started.
 
     ``backend=None`` picks NCCL when CUDA is available and gloo otherwise. ``timeout_s`` bounds every
-    collective, so a rank that never arrives fails the job instead of hanging it.
+    collective, so a rank that never arrives fails the job instead of hanging it (a rank that dies
+    closes its connections, and the others fail at once). An Engine with ``data_parallel`` starts
+    the group with the default; call ``init(timeout_s=...)`` before building it for another bound.
     """
+    # checked first: timedelta would take a bool, and a timeout of 0 fails every collective at once
+    check_number("timeout_s", timeout_s, minimum=0, exclusive=True)
     if not dist.is_available():
         raise HardwareError("this PyTorch build has no torch.distributed; install a build with distributed support")
     global _INFO

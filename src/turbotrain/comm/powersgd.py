@@ -10,17 +10,24 @@ kept per rank as an error and added to the next step's gradient, so nothing is l
 the same collective as P. For the first ``warmup_steps`` rounds the whole bucket is all-reduced
 exactly, since early gradients change direction too fast for a warm-started subspace.
 
-The hook waits for its two collectives itself and returns a completed future: a second collective
-launched from inside a gloo future's callback is what crashes torch's own PowerSGD hook on gloo.
-On NCCL ``wait()`` only orders the CUDA streams, so the CPU does not block.
+Nothing blocks backward: the hook launches P's all-reduce and returns a future; QR, Q's
+all-reduce (on ``HookState.side_group``, in bucket order, see hooks.OrderedSecondPhase) and the
+decompression run from completion callbacks while autograd works on the next buckets. Matrices
+of one shape in a bucket are stacked, so QR and the products run batched (one call per shape),
+and the error buffer of a shape group is one stacked tensor that doubles as the compensated
+gradient M + E, so no full-size temporary is made. The factors travel in the bucket's dtype when
+that is bf16 (bf16 gradients stay bf16 on the wire); fp16 buckets send fp32 factors, since a
+sum of products can leave fp16's range where the gradients themselves do not.
 """
+
+# No `from __future__ import annotations`: DDP reads a comm hook's return annotation at run time.
 
 import zlib
 from dataclasses import dataclass, field
 
 import torch
 
-from .hooks import HookState, _completed, allreduce_hook
+from .hooks import HookState, OrderedSecondPhase, allreduce_hook, completed
 
 __all__ = ["PowerSGDState", "powersgd_hook", "initial_q", "orthonormalise", "should_compress", "matrix_shape"]
 
@@ -41,7 +48,8 @@ def should_compress(shape: torch.Size, rank: int) -> bool:
 
 
 def orthonormalise(p: torch.Tensor) -> torch.Tensor:
-    """Orthonormal columns spanning P. Householder QR cannot divide by zero on a rank-deficient P."""
+    """Orthonormal columns spanning P (or each P of a stack). Householder QR cannot divide by zero
+    on a rank-deficient P."""
     return torch.linalg.qr(p, mode="reduced").Q
 
 
@@ -49,6 +57,32 @@ def initial_q(name: str, cols: int, r: int, seed: int = 0) -> torch.Tensor:
     """The first Q of parameter ``name``: seeded by name, so every rank has it without a broadcast."""
     gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
     return torch.randn(cols, r, generator=gen)
+
+
+@dataclass
+class _ShapeGroup:
+    """Compressed matrices of one (rows, cols) in one bucket, and where their P and Q travel."""
+
+    rows: int
+    cols: int
+    r: int
+    names: tuple
+    offsets: tuple
+    """Start of each matrix in the bucket buffer."""
+    p_at: int = 0
+    """Start of this group's stacked P in the phase-1 buffer (and of its Q in the phase-2 one)."""
+    q_at: int = 0
+
+
+@dataclass
+class _BucketLayout:
+    """Everything about a bucket that does not change between steps, worked out once."""
+
+    dense: list
+    """(start in bucket, numel, start in phase-1 buffer) of the exactly reduced tensors."""
+    groups: list
+    phase1: int
+    phase2: int
 
 
 @dataclass
@@ -62,6 +96,10 @@ class PowerSGDState(HookState):
     """id(parameter) -> its name in the model, so state survives DDP's bucket rebuild."""
     qs: dict = field(default_factory=dict)
     errors: dict = field(default_factory=dict)
+    """name -> this rank's error; within a bucket these are views of one stacked tensor per shape."""
+    _layouts: dict = field(default_factory=dict, repr=False)
+    _stacks: dict = field(default_factory=dict, repr=False)
+    _second: OrderedSecondPhase = field(default_factory=OrderedSecondPhase, repr=False)
 
     def q_for(self, name: str, cols: int, r: int, device) -> torch.Tensor:
         q = self.qs.get(name)
@@ -69,6 +107,53 @@ class PowerSGDState(HookState):
             q = initial_q(name, cols, r, self.seed).to(device)
             self.qs[name] = q
         return q
+
+    def layout(self, bucket) -> _BucketLayout:
+        """The bucket's layout, cached by its parameters (DDP rebuilds buckets once, early)."""
+        params = bucket.parameters()
+        key = tuple(id(p) for p in params)
+        found = self._layouts.get(key)
+        if found is not None:
+            return found
+        dense, by_shape, offset = [], {}, 0
+        for p in params:
+            if should_compress(p.shape, self.rank):
+                rows, cols = matrix_shape(p.shape)
+                by_shape.setdefault((rows, cols), []).append((self.names.get(id(p), str(id(p))), offset))
+            else:
+                dense.append([offset, p.numel(), 0])
+            offset += p.numel()
+        at = 0
+        for d in dense:
+            d[2] = at
+            at += d[1]
+        groups, q_at = [], 0
+        for (rows, cols), members in by_shape.items():
+            r = min(self.rank, rows, cols)
+            g = _ShapeGroup(rows, cols, r, tuple(n for n, _ in members), tuple(o for _, o in members), at, q_at)
+            at += len(members) * rows * r
+            q_at += len(members) * cols * r
+            groups.append(g)
+        found = _BucketLayout([tuple(d) for d in dense], groups, at, q_at)
+        self._layouts[key] = found
+        return found
+
+    def error_stack(self, group: _ShapeGroup, device) -> torch.Tensor:
+        """The group's stacked fp32 error; ``errors[name]`` are views of it (rebuilt after a load)."""
+        stack = self._stacks.get(group.names)
+        if stack is not None and stack.device == device:
+            return stack
+        shape = (group.rows, group.cols)
+        parts = []
+        for name in group.names:
+            err = self.errors.get(name)
+            ok = err is not None and tuple(err.shape) == shape
+            parts.append(err.to(device, torch.float32) if ok else torch.zeros(shape, device=device))
+        stack = torch.stack(parts)
+        for i, name in enumerate(group.names):
+            self.errors[name] = stack[i]
+        self._stacks[group.names] = stack
+        return stack
 
     def state_dict(self) -> dict:
         sd = super().state_dict()
@@ -81,86 +166,80 @@ class PowerSGDState(HookState):
         super().load_state_dict(sd)
         self.qs = {k: v.clone() for k, v in sd.get("qs", {}).items()}
         self.errors = {k: v.clone() for k, v in sd.get("errors", {}).items()}
+        self._stacks = {}
 
 
-def _bucket_views(bucket):
-    buffer = bucket.buffer()
-    offset = 0
-    views = []
-    for p in bucket.parameters():
-        n = p.numel()
-        views.append((p, buffer[offset:offset + n].view(p.shape)))
-        offset += n
-    return views
+def _factor_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
 
 
 def powersgd_hook(state: PowerSGDState, bucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: exact mean during warm-up, then rank-r PowerSGD with error feedback."""
     if state.rounds < state.warmup_steps:
         return allreduce_hook(state, bucket)
-    n = state.world_size
-    dense, low_rank = [], []
-    for p, view in _bucket_views(bucket):
-        (low_rank if should_compress(view.shape, state.rank) else dense).append((p, view))
-
-    # Phase 1: P = M Q for every compressed matrix, packed with the exact (pre-divided) dense grads.
-    # The arithmetic is memory-bound (rank-r products read the whole matrix once each), so every
-    # full-size pass works in place: M is the bucket's own fp32 view (the result overwrites it at
-    # the end anyway) and the error buffer is reused from step to step.
-    mats, ps = [], []
-    for p, view in low_rank:
-        name = state.names.get(id(p), str(id(p)))
-        rows, cols = matrix_shape(view.shape)
-        r = min(state.rank, rows, cols)
-        m = view.detach().reshape(rows, cols)
-        m = m if m.dtype == torch.float32 else m.float()
-        err = state.errors.get(name)
-        if err is not None:
-            m.add_(err.to(m.device))
-        q = state.q_for(name, cols, r, m.device).to(m.device)
-        mats.append((name, view, m))
-        ps.append(m @ q)
-    dense_flat = [v.reshape(-1).float() / n for _, v in dense]
-    phase1 = torch.cat(dense_flat + [p.reshape(-1) for p in ps]) if (dense_flat or ps) else None
-    if phase1 is None:
-        state.close_bucket(bucket)
-        return _completed(bucket.buffer())
-    state.allreduce(phase1).wait()
-
-    offset = 0
-    for _, view in dense:
-        k = view.numel()
-        view.copy_(phase1[offset:offset + k].view(view.shape))
-        offset += k
-    # Phase 2: orthonormalise the summed P (identical on every rank), then Q_i = M_i^T P.
-    ortho, q_locals = [], []
-    for (name, view, m), p in zip(mats, ps):
-        k = p.numel()
-        p_sum = phase1[offset:offset + k].view(p.shape)
-        offset += k
-        p_hat = orthonormalise(p_sum)
-        q_local = m.t() @ p_hat
-        # Local residual: what this rank's share of the rank-r estimate misses (one fused pass).
-        err = state.errors.get(name)
-        if err is None or err.shape != m.shape or err.device != m.device:
-            err = torch.empty_like(m)
-            state.errors[name] = err
-        torch.addmm(m, p_hat, q_local.t(), alpha=-1.0, out=err)
-        ortho.append(p_hat)
-        q_locals.append(q_local)
-    if q_locals:
-        phase2 = torch.cat([q.reshape(-1) for q in q_locals])
-        state.allreduce(phase2).wait()
-        offset = 0
-        for (name, view, m), p_hat, q_local in zip(mats, ortho, q_locals):
-            k = q_local.numel()
-            q_sum = phase2[offset:offset + k].view(q_local.shape)
-            offset += k
-            state.qs[name] = q_sum.clone()
-            mean_q = q_sum.t() / n  # divide the thin factor, not the full product
-            if m.data_ptr() == view.data_ptr():  # fp32 bucket: write the estimate straight into it
-                torch.mm(p_hat, mean_q, out=m)
-            else:
-                view.copy_((p_hat @ mean_q).view(view.shape))
+    layout = state.layout(bucket)
+    buffer = bucket.buffer()
+    n, device = state.world_size, buffer.device
     state.close_bucket(bucket)
-    return _completed(bucket.buffer())
+    if not layout.phase1:
+        return completed(buffer)
+    wire = _factor_dtype(buffer.dtype)
+    # Phase 1: the exact tensors (pre-divided, in the bucket's dtype) and P = (M + E) Q per group.
+    phase1 = torch.empty(layout.phase1, dtype=wire if layout.groups else buffer.dtype, device=device)
+    for start, k, at in layout.dense:
+        torch.div(buffer[start:start + k], n, out=phase1[at:at + k])
+    stacks = []
+    for g in layout.groups:
+        m = state.error_stack(g, device)  # E, turned into M + E in place: the error is rebuilt below
+        for i, start in enumerate(g.offsets):
+            m[i].add_(buffer[start:start + g.rows * g.cols].view(g.rows, g.cols))
+        q = torch.stack([state.q_for(name, g.cols, g.r, device).to(device) for name in g.names])
+        p = phase1[g.p_at:g.p_at + m.shape[0] * g.rows * g.r].view(-1, g.rows, g.r)
+        if wire == torch.float32:
+            torch.bmm(m, q, out=p)
+        else:
+            p.copy_(torch.bmm(m, q))
+        stacks.append(m)
+    first = state.allreduce(phase1).get_future()
+
+    def copy_dense(summed):
+        for start, k, at in layout.dense:
+            buffer[start:start + k].copy_(summed[at:at + k])
+
+    if not layout.groups:
+        def only_dense(fut):
+            copy_dense(fut.value()[0])
+            return buffer
+        return first.then(only_dense)
+
+    def phase2(values):
+        # QR of the summed P (identical on every rank), Q_i = M_i^T P_hat, E_i = M_i - P_hat Q_i^T.
+        summed = values[0]
+        copy_dense(summed)
+        phase2_buf = torch.empty(layout.phase2, dtype=wire, device=device)
+        p_hats = []
+        for g, m in zip(layout.groups, stacks):
+            b = m.shape[0]
+            p_hat = orthonormalise(summed[g.p_at:g.p_at + b * g.rows * g.r].view(b, g.rows, g.r).float())
+            q_local = torch.bmm(m.transpose(1, 2), p_hat)
+            m.baddbmm_(p_hat, q_local.transpose(1, 2), alpha=-1.0)  # m is the error again
+            phase2_buf[g.q_at:g.q_at + b * g.cols * g.r].view(b, g.cols, g.r).copy_(q_local)
+            p_hats.append(p_hat)
+        work = state.allreduce(phase2_buf, group=state.side_group)
+        return work.get_future().then(lambda fut: decompress(fut.value()[0], p_hats))
+
+    def decompress(q_summed, p_hats):
+        for g, p_hat in zip(layout.groups, p_hats):
+            b = p_hat.shape[0]
+            q_sum = q_summed[g.q_at:g.q_at + b * g.cols * g.r].view(b, g.cols, g.r).float()
+            mean_qt = q_sum.transpose(1, 2) / n  # divide the thin factor, not the full product
+            for i, (name, start) in enumerate(zip(g.names, g.offsets)):
+                state.qs[name] = q_sum[i]
+                out = buffer[start:start + g.rows * g.cols].view(g.rows, g.cols)
+                if out.dtype == torch.float32:
+                    torch.mm(p_hat[i], mean_qt[i], out=out)
+                else:
+                    out.copy_(p_hat[i] @ mean_qt[i])
+        return buffer
+
+    return state._second.chain(first, phase2, device)

@@ -4,10 +4,13 @@ A dense all-reduce of a 50k x 768 embedding gradient moves every row although a 
 few thousand. Here each rank all_gathers its (row index, row values) pairs instead, padded to the
 largest count (collectives need equal sizes), and sums the union. DDP is told to ignore these
 parameters, so their exchange happens here, once per synchronising backward, from a
-post-accumulate-grad hook.
+post-accumulate-grad hook. With ``strategy='parameter_server'`` or ``'hybrid'`` the pairs go
+through the parameter servers instead (strategies.ps_sparse_mean).
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -48,8 +51,9 @@ def allgather_sparse_mean(grad: torch.Tensor, group=None, counter=None) -> torch
     all_gather_flat(all_val, pad_val.contiguous(), group=group)
     all_idx = all_idx.view((world,) + pad_idx.shape)
     all_val = all_val.view((world,) + pad_val.shape)
-    if counter is not None:
-        counter.calls += 3
+    if counter is not None:  # this rank's parts: its count, its padded indices and rows
+        counter.count(nnz.numel() * 8 + pad_idx.numel() * pad_idx.element_size()
+                      + pad_val.numel() * pad_val.element_size(), calls=3)
     idx = torch.cat([all_idx[r, :, :c] for r, c in enumerate(counts_list)], dim=1)
     val = torch.cat([all_val[r, :c] for r, c in enumerate(counts_list)], dim=0)
     return torch.sparse_coo_tensor(idx, val / world, grad.shape).coalesce()
@@ -58,10 +62,13 @@ def allgather_sparse_mean(grad: torch.Tensor, group=None, counter=None) -> torch
 class SparseExchange:
     """Hooks that replace each sparse embedding gradient by its cross-rank mean after backward."""
 
-    def __init__(self, params: dict[str, nn.Parameter], group=None, counter=None):
+    def __init__(self, params: dict[str, nn.Parameter], group=None, counter=None,
+                 mean: Callable = allgather_sparse_mean):
         self.params = params
         self.group = group
         self.counter = counter
+        self.mean = mean
+        """``mean(grad, group, counter)`` -> the sparse mean over ranks (all_gather or parameter servers)."""
         self.enabled = True
         """False inside ``CommState.no_sync()``: accumulate locally, exchange on the closing micro-step."""
         self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in params.values()]
@@ -72,7 +79,7 @@ class SparseExchange:
         grad = param.grad
         if not grad.is_sparse:
             grad = grad.to_sparse()
-        param.grad = allgather_sparse_mean(grad, self.group, self.counter)
+        param.grad = self.mean(grad, self.group, self.counter)
 
     def remove(self) -> None:
         for h in self._handles:
