@@ -28,7 +28,7 @@ import torch
 from turbotrain.workloads import get_workload
 
 # Written out again on purpose (not imported from turbotrain.bench) so the check stays independent.
-ADAMW = {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+ADAMW = {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1, "fused": True}  # as bench.make_optimizer
 TOLERANCE = 0.15
 
 

@@ -1,5 +1,6 @@
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -233,7 +234,7 @@ def test_mfu_above_one_is_flagged():
                            "fine": {"compute_dtype": "fp32", "metrics": {"mfu": {"median": 0.4}}},
                            "failed": {"status": "error"}}}
     notes = _implausible_mfu(results)
-    assert len(notes) == 1 and "fast" in notes[0] and "--remeasure" in notes[0]
+    assert len(notes) == 1 and "fast" in notes[0] and "TURBOTRAIN_REMEASURE=1" in notes[0]
 
 
 # --------------------------------------------------------------------------------------- worker
@@ -250,6 +251,19 @@ def test_rss_sampler_sees_an_allocation():
         block = torch.ones(size // 4)  # fp32: touches every page
         del block
     assert rss.peak - rss.baseline >= 0.9 * size
+
+
+def test_paused_rss_sampler_sleeps_and_resumes():
+    with RssSampler(interval=0.001) as rss:
+        rss.pause()
+        time.sleep(0.02)
+        before = rss.peak
+        block = torch.ones(2**24)  # 64 MiB while paused: not sampled until resumed
+        time.sleep(0.02)
+        assert rss.peak == before
+        rss.resume()
+        time.sleep(0.05)
+        assert rss.peak - rss.baseline >= 0.9 * block.numel() * 4
 
 
 def test_count_step_ops_counts_every_aten_call_with_the_shared_counter():

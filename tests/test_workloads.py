@@ -1,5 +1,6 @@
-"""The five workloads: registry and validation, model structure, determinism, and that each one
-actually learns (its held-out loss falls under plain AdamW)."""
+"""The workloads: registry and validation, model structure, determinism, and that each one actually
+learns (its held-out loss falls under plain AdamW); the foreign ones (a user's GPT, Hugging Face
+models with dict batches and their own loss) also train through the Engine and a peer row."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from turbotrain.errors import ConfigError, UnknownWorkloadError
-from turbotrain.workloads import WORKLOADS, Workload, get_workload, load_corpus
+from turbotrain.errors import ConfigError, HardwareError, UnknownWorkloadError
+from turbotrain.workloads import FOREIGN_WORKLOADS, NATIVE_WORKLOADS, WORKLOADS, Workload, get_workload, load_corpus
 from turbotrain.workloads.bert import mask_tokens
 from turbotrain.workloads.data import split_generator
 from turbotrain.workloads.gpt import SelfAttention
@@ -25,7 +26,26 @@ TINY = {
     "bert": (TEXT, 3e-3, 0.5),  # only 15% of positions carry a target, so it learns slower
     "resnet": (dict(B=16, image_size=32, width=8, layers=(1, 1)), 1e-2, 0.3),
     "mlp": (dict(B=64, in_dim=32, hidden=64, n_layer=2), 1e-2, 0.5),
+    "user-gpt": (TEXT, 3e-3, 1.0),
+    "hf-llama": (TEXT, 3e-3, 1.0),
+    "hf-gpt2": (TEXT, 3e-3, 1.0),
+    "hf-bert": (TEXT, 3e-3, 0.5),
 }
+HF = ("hf-llama", "hf-gpt2", "hf-bert")
+
+
+def _needs(name):
+    """HF workloads skip where transformers (the [hf] extra) is not installed."""
+    if name not in HF:
+        return name
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return pytest.param(name, marks=pytest.mark.skip(reason="transformers not installed"))
+    return name
+
+
+ALL = [_needs(n) for n in WORKLOADS]
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -42,11 +62,29 @@ def take(stream, n):
     return [next(stream) for _ in range(n)]
 
 
+def tokens(batch) -> torch.Tensor:
+    """The model input of a batch: a pair's first tensor, a dict's input_ids."""
+    return batch["input_ids"] if isinstance(batch, dict) else batch[0]
+
+
+def logits(model, batch) -> torch.Tensor:
+    out = model(**batch) if isinstance(batch, dict) else model(batch[0])
+    return out.logits if isinstance(batch, dict) else out
+
+
+def same(a, b) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
 # ----------------------------------------------------------------------------- registry
 
 
-def test_registry_lists_all_five():
-    assert WORKLOADS == ("gpt", "llama", "bert", "resnet", "mlp")
+def test_registry_lists_native_then_foreign():
+    assert NATIVE_WORKLOADS == ("gpt", "llama", "bert", "resnet", "mlp")
+    assert FOREIGN_WORKLOADS == ("user-gpt", "hf-llama", "hf-gpt2", "hf-bert")
+    assert WORKLOADS == NATIVE_WORKLOADS + FOREIGN_WORKLOADS
 
 
 def test_unknown_workload_names_every_valid_one_on_one_line():
@@ -77,6 +115,8 @@ def test_unknown_override_lists_valid_keys():
         ("resnet", dict(layers=()), "layers"),
         ("resnet", dict(layers=(1, 1, 1, 1, 1), image_size=32), "too small"),
         ("mlp", dict(act="tanh"), "'gelu', 'relu'"),
+        ("user-gpt", dict(d=96, n_head=5), "n_head=5 must divide d=96"),
+        ("hf-bert", dict(mask_prob=1.5), "mask_prob"),
     ],
 )
 def test_bad_values_raise_config_error(name, overrides, match):
@@ -84,13 +124,13 @@ def test_bad_values_raise_config_error(name, overrides, match):
         get_workload(name, **overrides)
 
 
-@pytest.mark.parametrize("name", WORKLOADS)
+@pytest.mark.parametrize("name", ALL)
 def test_settings_record_overrides_and_items_per_batch(name):
     wl = tiny(name)
     assert wl.name == name
     for key, value in TINY[name][0].items():
         assert wl.settings[key] == value
-    x, _ = next(wl.batches())
+    x = tokens(next(wl.batches()))
     per_batch = x.numel() if wl.kind == "text" else x.shape[0]
     assert wl.items_per_batch == per_batch
     assert wl.unit == ("tokens" if wl.kind == "text" else "samples")
@@ -99,18 +139,18 @@ def test_settings_record_overrides_and_items_per_batch(name):
 # ----------------------------------------------------------------------------- determinism
 
 
-@pytest.mark.parametrize("name", WORKLOADS)
+@pytest.mark.parametrize("name", ALL)
 def test_batches_deterministic_per_seed_and_distinct_across_seeds_and_splits(name):
     wl = tiny(name)
     a, b = take(wl.batches("train", seed=0), 2), take(wl.batches("train", seed=0), 2)
-    for (xa, ya), (xb, yb) in zip(a, b):
-        assert torch.equal(xa, xb) and torch.equal(ya, yb)
-    assert not torch.equal(a[0][0], a[1][0])
-    assert not torch.equal(a[0][0], next(wl.batches("train", seed=1))[0])
-    assert not torch.equal(a[0][0], next(wl.batches("val", seed=0))[0])
+    assert all(same(x, y) for x, y in zip(a, b))
+    first = tokens(a[0])
+    assert not torch.equal(first, tokens(a[1]))
+    assert not torch.equal(first, tokens(next(wl.batches("train", seed=1))))
+    assert not torch.equal(first, tokens(next(wl.batches("val", seed=0))))
 
 
-@pytest.mark.parametrize("name", WORKLOADS)
+@pytest.mark.parametrize("name", ALL)
 def test_build_model_is_seeded_and_leaves_global_rng_alone(name):
     wl = tiny(name)
     torch.manual_seed(1)
@@ -128,17 +168,17 @@ def test_build_model_is_seeded_and_leaves_global_rng_alone(name):
 # ----------------------------------------------------------------------------- forward/backward and learning
 
 
-@pytest.mark.parametrize("name", WORKLOADS)
+@pytest.mark.parametrize("name", ALL)
 def test_forward_backward_reaches_every_parameter(name):
     wl = tiny(name)
     model = wl.build_model()
-    x, y = next(wl.batches())
-    out = model(x)
+    batch = next(wl.batches())
+    x, out = tokens(batch), logits(model, batch)
     if wl.kind == "text":
         assert out.shape == (*x.shape, wl.settings["vocab_size"])
     else:
         assert out.shape == (x.shape[0], wl.settings["num_classes"])
-    loss = wl.loss_fn(out, y)
+    loss = wl.loss(model, batch)
     assert loss.ndim == 0 and torch.isfinite(loss)
     loss.backward()
     missing = [n for n, p in model.named_parameters() if p.grad is None or not torch.isfinite(p.grad).all()]
@@ -148,12 +188,12 @@ def test_forward_backward_reaches_every_parameter(name):
 def _val_loss(wl, model, batches):
     model.eval()
     with torch.no_grad():
-        loss = sum(float(wl.loss_fn(model(x), y)) for x, y in batches) / len(batches)
+        loss = sum(float(wl.loss(model, b)) for b in batches) / len(batches)
     model.train()
     return loss
 
 
-@pytest.mark.parametrize("name", WORKLOADS)
+@pytest.mark.parametrize("name", ALL)
 def test_loss_falls_on_held_out_batches_under_adamw(name):
     _, lr, min_drop = TINY[name]
     wl = tiny(name)
@@ -161,8 +201,8 @@ def test_loss_falls_on_held_out_batches_under_adamw(name):
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     val = take(wl.batches("val"), 4)
     before = _val_loss(wl, model, val)
-    for x, y in take(wl.batches("train"), 30):
-        loss = wl.loss_fn(model(x), y)
+    for batch in take(wl.batches("train"), 30):
+        loss = wl.loss(model, batch)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -173,12 +213,12 @@ def test_loss_falls_on_held_out_batches_under_adamw(name):
 def test_initial_loss_is_near_chance():
     """Small init gives uniform predictions, so the first loss is ~ln(classes): a check that
     the logits and the loss are wired to the right axis."""
-    for name in WORKLOADS:
+    for name in [n for n in ALL if isinstance(n, str)]:
         wl = tiny(name)
-        x, y = next(wl.batches())
+        batch = next(wl.batches())
         classes = wl.settings.get("vocab_size") or wl.settings["num_classes"]
         with torch.no_grad():
-            loss = float(wl.loss_fn(wl.build_model()(x), y))
+            loss = float(wl.loss(wl.build_model(), batch))
         assert abs(loss - math.log(classes)) < 0.5, (name, loss)
 
 
@@ -211,15 +251,103 @@ def test_llama_default_mlp_hidden_is_llamas_rounding():
     assert get_workload("llama").settings["mlp_hidden"] == 1408  # ceil(8/3 * 512 / 64) * 64
 
 
-@pytest.mark.parametrize("name, causal", [("gpt", True), ("llama", True), ("bert", False)])
+@pytest.mark.parametrize("name, causal", [("gpt", True), ("llama", True), ("bert", False), ("user-gpt", True),
+                                         (_needs("hf-llama"), True), (_needs("hf-gpt2"), True),
+                                         (_needs("hf-bert"), False)])
 def test_decoders_are_causal_and_the_encoder_is_not(name, causal):
     model = tiny(name).build_model().eval()
-    x = next(tiny(name).batches())[0][:1]
+    x = tokens(next(tiny(name).batches()))[:1]
     changed = x.clone()
     changed[0, -1] = (x[0, -1] + 1) % 512
+
+    def run(ids):
+        return model(input_ids=ids).logits if name in HF else model(ids)
+
     with torch.no_grad():
-        early = (model(x)[0, :-1] - model(changed)[0, :-1]).abs().max()
+        early = (run(x)[0, :-1] - run(changed)[0, :-1]).abs().max()
     assert (early == 0) if causal else (early > 0)
+
+
+def test_user_gpt_is_written_in_a_users_names():
+    from turbotrain.workloads.user_gpt import next_token_loss
+
+    wl = tiny("user-gpt")
+    model = wl.build_model()
+    assert isinstance(model.layers, nn.Sequential) and not hasattr(model, "blocks")
+    layer = model.layers[0]
+    for proj in ("query_proj", "key_proj", "value_proj", "output_proj"):
+        assert isinstance(getattr(layer.attention, proj), nn.Linear)
+    ff = layer.feed_forward
+    assert isinstance(ff.fc1, nn.Linear) and isinstance(ff.fc2, nn.Linear)
+    assert isinstance(ff.act, nn.GELU) and ff.act.approximate == "tanh"
+    names = {n for n, _ in model.named_modules()}
+    assert not names & {"lm_head", "ln_f", "blocks"}  # none of turbotrain's (HF's) names
+    assert wl.loss_fn is next_token_loss
+
+
+@pytest.mark.parametrize("name", [_needs(n) for n in HF])
+def test_hf_batches_are_dicts_with_labels_and_the_model_owns_the_loss(name):
+    wl = tiny(name)
+    assert wl.loss_fn is None
+    batch = next(wl.batches())
+    assert sorted(batch) == ["attention_mask", "input_ids", "labels"]
+    assert torch.equal(batch["attention_mask"], torch.ones_like(batch["input_ids"]))
+    labels = batch["labels"]
+    if name == "hf-bert":  # masked LM: labels only where a token was chosen, the original token there
+        chosen = labels != -100
+        assert 0 < chosen.sum() < labels.numel()
+    else:  # causal LM: the model shifts the labels itself
+        assert torch.equal(labels, batch["input_ids"])
+    model = wl.build_model()
+    assert torch.equal(wl.loss(model, batch), model(**batch).loss)
+
+
+def test_hf_workload_without_transformers_names_the_extra(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` now raises ImportError
+    with pytest.raises(HardwareError, match=r"hf-llama workload needs transformers.*pip install 'turbotrain\[hf\]'"):
+        get_workload("hf-llama", **TEXT)
+
+
+@pytest.mark.parametrize("name", [_needs(n) for n in FOREIGN_WORKLOADS])
+def test_foreign_workloads_train_through_the_engine_and_a_peer_row(name):
+    """Two steps each through an Engine row and the autocast peer: finite losses, the same first
+    loss (same seed, same batch), and the weights move."""
+    from turbotrain.bench.peers import PeerTrainer
+    from turbotrain.bench.tt import EngineTrainer
+
+    wl = tiny(name)
+    batches = take(wl.batches("train"), 2)
+    first = {}
+    for label, build in (("engine", lambda: EngineTrainer(wl, "cpu", precision="bf16-master")),
+                         ("peer", lambda: PeerTrainer(wl, "cpu", amp=True))):
+        torch.manual_seed(0)
+        trainer = build()
+        before = [p.detach().float().clone() for p in trainer.model.parameters()]
+        losses = [float(trainer.step(b)) for b in batches]
+        assert all(math.isfinite(x) for x in losses), (label, losses)
+        after = list(trainer.model.parameters())
+        assert any(not torch.equal(b, a.detach().float()) for b, a in zip(before, after)), label
+        assert math.isfinite(trainer.eval_loss(batches[:1]))
+        first[label] = losses[0]
+    # bf16 weights (master mode) vs bf16 autocast of fp32 weights round differently: ~0.5% of ~9 nats
+    assert first["engine"] == pytest.approx(first["peer"], rel=5e-3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["user-gpt", _needs("hf-gpt2")])
+def test_foreign_workloads_train_through_the_compiled_step_reference(name):
+    from turbotrain.bench.peers import CompiledStepTrainer, PeerTrainer
+
+    wl = tiny(name)
+    batches = take(wl.batches("train"), 3)
+    torch.manual_seed(0)
+    compiled = [float(CompiledStepTrainer(wl, "cpu").step(b)) for b in batches[:1]]
+    torch.manual_seed(0)
+    eager = [float(PeerTrainer(wl, "cpu", amp=True).step(b)) for b in batches[:1]]
+    # the same bf16 autocast, compiled or not: fused kernels round differently, ~0.1% of the loss
+    assert compiled == pytest.approx(eager, rel=2e-3)
 
 
 # ----------------------------------------------------------------------------- reference twins

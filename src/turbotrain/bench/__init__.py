@@ -1,9 +1,12 @@
 """The benchmark harness: it imports the library, and nothing in the library imports it.
 
-* ``runner`` / ``worker``: the ladder. Each config trains the same workload, same seed and same
-  batches, in its own process; the report shows step time, throughput, speed-up, memory, MFU and
-  loss next to the plain-PyTorch peers. ``turbotrain bench [--quick]``; register a row with
-  ``register_config`` (see turbotrain.bench.configs). Results schema: docs/benchmark-schema.md.
+* ``runner`` / ``interleave`` / ``worker``: the ladder. Each config trains the same workload, same
+  seed and same batches, in its own long-lived process, and the rows are measured in alternating
+  rounds; the report shows step time, throughput, the ratio to the strongest peer
+  (``torch-compile-step``) with its bootstrap interval, an A/A row for the noise floor, memory, MFU
+  over a measured maximum matmul peak (``peak``) and loss, FAILED where a row's val loss leaves its
+  tolerance. ``turbotrain bench [--quick]``; register a row with ``register_config`` (see
+  turbotrain.bench.configs). Results schema: docs/benchmark-schema.md.
 * ``dp_ladder`` / ``dp_worker``: the data-parallel ladder, ``turbotrain bench --nproc 2``.
 * ``comm_bench``: nccl-tests style collective bandwidth, ``turbotrain comm-bench``.
 * ``fusion_timing``: each fused op against its reference, ``python -m turbotrain.bench.fusion_timing``.

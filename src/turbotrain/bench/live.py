@@ -37,7 +37,9 @@ class LiveLadder:
         self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                             TimeElapsedColumn(), console=console)
         self.task = self.bar.add_task("ladder", total=len(names) * (rounds + 2))
-        self.live = Live(self._render(), console=console, refresh_per_second=4)
+        # redrawn only when something changed: an auto-refresh thread would take CPU from the row
+        # being timed (a few percent of a core on a 2-core machine)
+        self.live = Live(self._render(), console=console, auto_refresh=False)
 
     def __enter__(self):
         self.live.__enter__()
@@ -45,7 +47,7 @@ class LiveLadder:
 
     def __exit__(self, *exc):
         self.phases.clear()
-        self.live.update(self._render(with_bar=False))  # the finished table stays; the bar goes
+        self.live.update(self._render(with_bar=False), refresh=True)  # the finished table stays; the bar goes
         self.live.__exit__(*exc)
 
     def phase(self, row: str, text: str) -> None:
@@ -53,16 +55,17 @@ class LiveLadder:
             self.done += 1  # the row's previous phase has ended
         self.phases[row] = text
         self.bar.update(self.task, completed=self.done, description=escape(f"{row}: {text}"))
-        self.live.update(self._render())
+        self.live.update(self._render(), refresh=True)
 
     def event(self, row: str, message: dict) -> None:
         if message.get("event") == "progress":
             self.bar.update(self.task, description=escape(
                 f"{row}: warm-up step {message['done']}/{message['total']}"))
+            self.live.refresh()
 
     def update(self, results: dict) -> None:
         self.results = dict(results)
-        self.live.update(self._render())
+        self.live.update(self._render(), refresh=True)
 
     def _render(self, with_bar: bool = True):
         title = f"turbotrain bench: {self.header['workload']['name']} on {self.header['run']['device']}"

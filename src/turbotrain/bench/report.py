@@ -181,6 +181,15 @@ def _metric_chart(ax, results: dict, metric: str, scale: float, ylabel: str):
     if values and values[0]["p20"] is not None:
         errors = [[(v["median"] - v["p20"]) / scale for v in values], [(v["p80"] - v["median"]) / scale for v in values]]
     _bars(ax, rows, medians, errors, ylabel)
+    reference = results["header"]["run"].get("reference")
+    if metric == "throughput" and reference in rows:
+        _reference_line(ax, rows[reference]["metrics"][metric]["median"] / scale, reference)
+
+
+def _reference_line(ax, value: float, reference: str):
+    ax.axhline(value, color="black", lw=1.2, ls="--")
+    ax.annotate(f"reference: {reference}", xy=(0, value), xycoords=("axes fraction", "data"),
+                xytext=(4, 4), textcoords="offset points", fontsize=7)
 
 
 def _ratio_chart(ax, results: dict):
@@ -190,10 +199,8 @@ def _ratio_chart(ax, results: dict):
     errors = [[r - rows[n]["ratio_ci95"][0] for n, r in zip(rows, ratios)],
               [rows[n]["ratio_ci95"][1] - r for n, r in zip(rows, ratios)]]
     _bars(ax, rows, ratios, errors, "throughput / reference's (x, 95% CI)")
-    ax.axhline(1.0, color="black", lw=1.2, ls="--")
     if reference:
-        ax.annotate(f"reference: {reference}", xy=(0, 1.0), xycoords=("axes fraction", "data"),
-                    xytext=(4, 4), textcoords="offset points", fontsize=7)
+        _reference_line(ax, 1.0, reference)
 
 
 def _draw(kind: str, ax, results: dict):

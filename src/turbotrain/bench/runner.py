@@ -276,6 +276,9 @@ def _ratio_notes(results: dict) -> list[str]:
     """What the intervals say about the page itself: a noisy A/A pair, or a peer faster than the reference."""
     run = results["header"]["run"]
     notes = []
+    if run.get("rounds", 0) < 5:
+        notes.append(f"{run.get('rounds')} rounds: the ratio intervals can take only a handful of distinct values and "
+                     "mean little; use --rounds 10 or more to compare rows")
     configs = results["configs"]
     aa = configs.get(run.get("aa_row") or "", {})
     if aa.get("ratio_ci95") and not aa["ratio_ci95"][0] <= 1.0 <= aa["ratio_ci95"][1]:
@@ -298,6 +301,6 @@ def _implausible_mfu(results: dict) -> list[str]:
     for name, config in results["configs"].items():
         value = config.get("metrics", {}).get("mfu", {}).get("median")
         if value is not None and value > 1.0:
-            notes.append(f"{name}: MFU {value:.0%} > 100%, so the cached {config['compute_dtype']} matmul peak "
-                         "is too low (measured while the machine was busy?); run `turbotrain env --remeasure`")
+            notes.append(f"{name}: MFU {value:.0%} > 100%, so the {config['compute_dtype']} matmul peak is too low "
+                         "(every trial measured while the machine was busy?); run again with TURBOTRAIN_REMEASURE=1")
     return notes

@@ -90,13 +90,18 @@ def fixed_batches(workload, split: str, count: int, seed: int, device: str) -> l
 
 
 class RssSampler:
-    """Peak anonymous resident memory of this process, sampled by a daemon thread (CPU memory metric)."""
+    """Peak anonymous resident memory of this process, sampled by a daemon thread (CPU memory metric).
+
+    ``pause()`` / ``resume()`` stop the sampling while the worker waits for its next command: ten
+    idle workers waking every 5 ms would take a few percent of a core from the row being timed.
+    """
 
     def __init__(self, interval: float = 0.005):
         self.interval = interval
         self._page = os.sysconf("SC_PAGE_SIZE")
         self.baseline = self.peak = self.rss()
         self._stop = threading.Event()
+        self._active = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def rss(self) -> int:
@@ -105,15 +110,28 @@ class RssSampler:
         return (int(resident) - int(shared)) * self._page
 
     def _run(self):
-        while not self._stop.wait(self.interval):
-            self.peak = max(self.peak, self.rss())
+        while not self._stop.is_set():
+            self._active.wait()
+            if self._stop.wait(self.interval):
+                break
+            if self._active.is_set():
+                self.peak = max(self.peak, self.rss())
+
+    def pause(self) -> None:
+        self.peak = max(self.peak, self.rss())
+        self._active.clear()
+
+    def resume(self) -> None:
+        self._active.set()
 
     def __enter__(self):
+        self._active.set()
         self._thread.start()
         return self
 
     def __exit__(self, *exc):
         self._stop.set()
+        self._active.set()  # wake a paused thread so it sees the stop
         self._thread.join()
         self.peak = max(self.peak, self.rss())
 
@@ -173,14 +191,20 @@ class RowSession:
         for i in range(spec.warmup):
             self._timed_step()
             self.progress(i + 1, spec.warmup)
+        self.rss.pause()
         return {"compute_dtype": dtype, "build_seconds": build_s, "warmup_seconds": time.perf_counter() - t0,
                 "losses": list(self.losses)}
 
     def run(self, steps: int) -> dict:
-        seconds, losses = zip(*(self._timed_step() for _ in range(steps))) if steps else ((), ())
+        self.rss.resume()
+        try:
+            seconds, losses = zip(*(self._timed_step() for _ in range(steps))) if steps else ((), ())
+        finally:
+            self.rss.pause()
         return {"seconds": list(seconds), "losses": list(losses)}
 
     def finish(self) -> dict:
+        self.rss.resume()
         self.rss.__exit__(None, None, None)
         spec = self.spec
         peak = torch.cuda.max_memory_allocated() - self.base_cuda if self.cuda else self.rss.peak - self.rss.baseline

@@ -54,13 +54,15 @@ def _bench(args) -> int:
 
 
 def _dp_bench(args) -> int:
+    from ..bench.comm_bench import parse_size
     from ..bench.dp_ladder import run_dp_ladder
 
+    cap = None if args.max_state_bytes is None else parse_size(args.max_state_bytes, "--max-state-bytes")
     doc = run_dp_ladder(  # checks --out and every name before any job
         workload=args.workload, nproc=args.nproc, steps=args.steps, configs=_names(args.configs), link=args.link,
         out_dir=args.out, quick=args.quick, overrides=parse_overrides(args.set), warmup=args.warmup,
         precision=args.dp_precision, seed=args.seed,
-        timeout=args.timeout if args.timeout is not None else 900.0)
+        timeout=args.timeout if args.timeout is not None else 900.0, max_state_bytes=cap)
     return _exit_code(doc["configs"], strict=args.strict)
 
 
@@ -125,4 +127,7 @@ def add_parsers(subparsers, parents=()) -> None:
     dp.add_argument("--link", default=None, metavar="RATE",
                     help="shape the ranks' loopback to a tc rate, e.g. 1gbit (needs root, ip, tc)")
     dp.add_argument("--dp-precision", default=DEFAULT_PRECISION, help="Engine precision of every row")
+    dp.add_argument("--max-state-bytes", default=None, metavar="SIZE",
+                    help="cap on a rank's parameter + gradient + optimizer-state bytes (e.g. 30M), enforced at "
+                         "every optimizer step: a row over it stops with an error")
     p.set_defaults(func=_bench)

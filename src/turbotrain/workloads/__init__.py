@@ -1,8 +1,13 @@
-"""The benchmark workloads: three transformers on real text and two synthetic vision/tabular jobs.
+"""The benchmark workloads: transformers on real text, synthetic vision/tabular jobs, and foreign models.
 
 ``get_workload(name, **overrides)`` is the one entry point; overrides are the fields of that
 workload's settings dataclass (``GPTSettings``, ``LlamaSettings``, ``BertSettings``,
-``ResNetSettings``, ``MLPSettings``).
+``ResNetSettings``, ``MLPSettings``, ``HFSettings``, ``HFBertSettings``).
+
+Foreign workloads are models turbotrain was not shaped around: ``user-gpt`` (a GPT in a user's
+own naming, with its own loss function) and ``hf-llama``/``hf-gpt2``/``hf-bert`` (transformers
+models with dict batches and their own ``labels=`` loss; transformers is imported when one is
+built, ``pip install 'turbotrain[hf]'``).
 
 >>> wl = get_workload("gpt", d=64, n_layer=1, n_head=4, T=32, B=2)
 >>> wl.unit, wl.items_per_batch
@@ -14,11 +19,12 @@ from __future__ import annotations
 from dataclasses import fields
 
 from ..errors import ConfigError, UnknownWorkloadError
-from . import bert, gpt, llama, mlp, resnet
-from .base import Batch, Workload, cross_entropy_loss
+from . import bert, gpt, hf, llama, mlp, resnet, user_gpt
+from .base import Batch, Workload, cross_entropy_loss, user_loss
 from .bert import BertSettings
 from .data import Corpus, load_corpus, text_batches
 from .gpt import GPTSettings
+from .hf import HFBertSettings, HFSettings
 from .llama import LlamaSettings
 from .mlp import MLPSettings
 from .resnet import ResNetSettings
@@ -26,18 +32,23 @@ from .resnet import ResNetSettings
 __all__ = [
     # choosing a workload
     "WORKLOADS",
+    "NATIVE_WORKLOADS",
+    "FOREIGN_WORKLOADS",
     "get_workload",
     "settings_class",
     # the contract
     "Workload",
     "Batch",
     "cross_entropy_loss",
+    "user_loss",
     # settings per workload
     "GPTSettings",
     "LlamaSettings",
     "BertSettings",
     "ResNetSettings",
     "MLPSettings",
+    "HFSettings",
+    "HFBertSettings",
     # the real-text corpus
     "Corpus",
     "load_corpus",
@@ -50,8 +61,16 @@ _REGISTRY = {
     "bert": (BertSettings, bert.make_workload),
     "resnet": (ResNetSettings, resnet.make_workload),
     "mlp": (MLPSettings, mlp.make_workload),
+    "user-gpt": (GPTSettings, user_gpt.make_workload),
+    "hf-llama": (HFSettings, hf.make_llama),
+    "hf-gpt2": (HFSettings, hf.make_gpt2),
+    "hf-bert": (HFBertSettings, hf.make_bert),
 }
 WORKLOADS = tuple(_REGISTRY)
+#: Written with turbotrain's module names in mind (the passes' home ground).
+NATIVE_WORKLOADS = ("gpt", "llama", "bert", "resnet", "mlp")
+#: Models turbotrain was not shaped around: a user's own GPT and Hugging Face models.
+FOREIGN_WORKLOADS = ("user-gpt", *hf.HF_WORKLOADS)
 
 #: What each settings annotation accepts as an override (bool is rejected for numbers below).
 _ACCEPTS = {

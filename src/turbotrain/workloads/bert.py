@@ -25,7 +25,13 @@ from .base import Workload, cross_entropy_loss
 from .data import corpus_batches, seeded_build
 from .gpt import GPT, GPTSettings
 
-__all__ = ["BertSettings", "mask_tokens", "make_workload"]
+__all__ = ["BertSettings", "mask_tokens", "check_mask_prob", "make_workload"]
+
+
+def check_mask_prob(value) -> None:
+    """ConfigError unless ``value`` is a fraction in (0, 1] (the masked-LM rate)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ConfigError(f"mask_prob={value!r} is not valid; it must be in (0, 1]")
 
 
 @dataclass(frozen=True)
@@ -37,8 +43,7 @@ class BertSettings(GPTSettings):
 
     def __post_init__(self):
         super().__post_init__()
-        if not isinstance(self.mask_prob, (int, float)) or not 0 < self.mask_prob <= 1:
-            raise ConfigError(f"mask_prob={self.mask_prob!r} is not valid; it must be in (0, 1]")
+        check_mask_prob(self.mask_prob)
 
 
 def mask_tokens(

@@ -1,0 +1,211 @@
+"""The interleaved ladder: every row in its own long-lived worker, measured in alternating rounds.
+
+Running rows one after another puts each in its own stretch of time, and on a shared machine the
+load in that stretch is part of its figure: a row that happened to run while a neighbour compiled
+looks slow. Here the parent starts one worker per row, builds and warms them up one at a time
+(untimed), then runs rounds: in each it asks every row in turn for a few timed steps (``run k``),
+waiting for one to finish before the next starts, so rows never overlap. The order rotates each
+round (round r starts at row r mod n), so no row always follows the same neighbour or always runs
+first. Drift (thermal, frequency, a job starting elsewhere) then lands on every row alike, and the
+per-round times pair up: round i of every row was measured within one short window.
+
+>>> round_order(["a", "b", "c"], 1)
+['b', 'c', 'a']
+>>> split_steps(7, 3)
+[3, 2, 2]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+from dataclasses import asdict
+from pathlib import Path
+
+from ..errors import check_positive
+from .worker import WorkerSpec
+
+__all__ = ["round_order", "split_steps", "WorkerProcess", "run_interleaved"]
+
+
+def round_order(rows: list[str], round_index: int) -> list[str]:
+    """The order rows run in round ``round_index``: the ladder order rotated by the round number."""
+    if not rows:
+        return []
+    k = round_index % len(rows)
+    return rows[k:] + rows[:k]
+
+
+def split_steps(steps: int, rounds: int) -> list[int]:
+    """Measured steps per round: ``steps`` spread over ``rounds`` as evenly as possible (every row
+    runs the same counts in the same rounds)."""
+    check_positive("steps", steps)
+    check_positive("rounds", rounds)
+    rounds = min(rounds, steps)
+    return [steps // rounds + (1 if i < steps % rounds else 0) for i in range(rounds)]
+
+
+class WorkerProcess:
+    """``python -m turbotrain.bench.worker`` for one row, spoken to in JSON lines (see worker.py)."""
+
+    def __init__(self, row: str, spec: WorkerSpec, workdir: Path):
+        self.row = row
+        stem = "".join(c if c.isalnum() or c in "-_" else "_" for c in row)
+        spec_path = workdir / f"{stem}.spec.json"
+        self.stderr_path = workdir / f"{stem}.stderr"
+        spec_path.write_text(json.dumps(asdict(spec)))
+        cmd = [sys.executable, "-m", "turbotrain.bench.worker", str(spec_path)]
+        with open(self.stderr_path, "w") as stderr:
+            # own session, so a kill also ends the worker's children (torch.compile's compile pool)
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True,
+                                         bufsize=1, start_new_session=True)
+        self._lines: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            try:
+                self._lines.put(json.loads(line))
+            except ValueError:  # not ours: a worker only writes JSON to this pipe
+                continue
+        self._lines.put(None)  # end of file: the worker exited
+
+    def _failure(self, reason: str) -> dict:
+        self.kill()
+        tail = self.stderr_path.read_text(errors="replace").strip().splitlines()[-1:] or ["no output"]
+        return {"ok": False, "status": "error", "error": f"worker {reason}: {tail[0]}"}
+
+    def _next(self, timeout: float, phase: str) -> dict:
+        try:
+            message = self._lines.get(timeout=timeout)
+        except queue.Empty:
+            return self._failure(f"timed out after {timeout:.0f} s in {phase} (raise --timeout)")
+        if message is None:
+            return self._failure(f"died in {phase} (exit code {self.proc.wait()})")
+        return message
+
+    def wait_ready(self, timeout: float) -> dict:
+        """``{"ok": True}`` once the worker has started (imports done), else an error reply."""
+        message = self._next(timeout, "start")
+        if message.get("event") == "ready":
+            return {"ok": True}
+        return message if "ok" in message else self._failure(f"sent {message!r} instead of ready")
+
+    def receive(self, timeout: float, phase: str, on_event=None) -> dict:
+        """The next reply (events go to ``on_event``); an error reply if the worker dies or is too slow."""
+        while True:
+            message = self._next(timeout, phase)
+            if "event" in message:
+                if on_event:
+                    on_event(message)
+                continue
+            if not message.get("ok"):
+                self.kill()
+            return message
+
+    def request(self, command: dict, timeout: float, on_event=None) -> dict:
+        try:
+            self.proc.stdin.write(json.dumps(command) + "\n")
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            pass  # the worker is gone; receive() reports how
+        return self.receive(timeout, command["cmd"], on_event)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Ask the worker to quit; kill it if it does not."""
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write(json.dumps({"cmd": "quit"}) + "\n")
+                self.proc.stdin.close()
+                self.proc.wait(timeout=timeout)
+            except (BrokenPipeError, OSError, subprocess.TimeoutExpired):
+                pass
+        self.kill()
+
+
+def _failed(reply: dict, partial: dict | None = None) -> dict:
+    out = {k: v for k, v in (partial or {}).items() if k not in ("status",)}
+    return {**out, "status": "error", "error": reply.get("error", "unknown error"),
+            **({"traceback": reply["traceback"]} if reply.get("traceback") else {})}
+
+
+def run_interleaved(specs: dict[str, WorkerSpec], steps_per_round: list[int], workdir: Path, timeout: float,
+                    live=None, on_update=None) -> dict[str, dict]:
+    """Run every row's worker through setup, the rounds and finish; one result dict per row.
+
+    ``live`` (optional) gets ``phase(row, text)``, ``event(row, message)`` and ``update(results)``;
+    ``on_update(results)`` runs after every setup and every round (the ladder rewrites its JSON
+    there, so a crash or a kill keeps what was measured).
+    """
+    rows = list(specs)
+    results: dict[str, dict] = {}
+    workers = {row: WorkerProcess(row, specs[row], workdir) for row in rows}  # imports overlap; nothing is timed yet
+
+    def notify():
+        if live:
+            live.update(results)
+        if on_update:
+            on_update(results)
+
+    try:
+        for row in rows:
+            if live:
+                live.phase(row, "starting worker")
+            ready = workers[row].wait_ready(timeout)
+            if not ready["ok"]:
+                results[row] = _failed(ready)
+                notify()
+                continue
+            if live:
+                live.phase(row, "build and warm-up")
+            reply = workers[row].request({"cmd": "setup"}, timeout,
+                                         on_event=(lambda m, row=row: live.event(row, m)) if live else None)
+            if reply.get("ok"):
+                results[row] = {"status": "running", "config": specs[row].config, "compute_dtype": reply["compute_dtype"],
+                                "build_seconds": reply["build_seconds"], "warmup_seconds": reply["warmup_seconds"],
+                                "losses": reply["losses"], "round_seconds": []}
+            else:
+                results[row] = _failed(reply)
+            notify()
+        for r, steps in enumerate(steps_per_round):
+            for row in round_order([n for n in rows if results[n]["status"] == "running"], r):
+                if live:
+                    live.phase(row, f"round {r + 1}/{len(steps_per_round)}")
+                reply = workers[row].request({"cmd": "run", "steps": steps}, timeout)
+                if reply.get("ok"):
+                    results[row]["round_seconds"].append(reply["seconds"])
+                    results[row]["losses"] += reply["losses"]
+                else:
+                    results[row] = _failed(reply, results[row])
+            notify()
+        for row in rows:
+            if results[row]["status"] != "running":
+                continue
+            if live:
+                live.phase(row, "val loss")
+            reply = workers[row].request({"cmd": "finish"}, timeout)
+            if reply.get("ok"):
+                reply.pop("ok")
+                rounds = results[row]["round_seconds"]
+                results[row].update(reply, status="ok", rounds=len(rounds),
+                                    step_seconds=[s for steps in rounds for s in steps])
+            else:
+                results[row] = _failed(reply, results[row])
+        notify()
+    finally:
+        for worker in workers.values():
+            worker.close()
+    return results
