@@ -27,7 +27,7 @@ from torch import nn
 from . import checkpoint as ckpt
 from .batch import Batch, LossContract, as_batch, check_loss, pad_to_bucket
 from .config import Config
-from .errors import CheckpointError, ConfigError, HardwareError, TurbotrainError
+from .errors import CheckpointError, ConfigError, DistributedError, HardwareError, TurbotrainError
 from .optim_layout import bind_optimizer, check_optimizer_params, load_stock_state_dict, stock_state_dict
 from .plan import ApplyContext, ModelPlan, StepContext, Transform, find_head
 from .precision import Precision, warn_misaligned
@@ -275,9 +275,18 @@ class Engine:
         b = self._prepare_batch(batch)
         try:
             return self._step(b)
-        except BaseException:
+        except BaseException as exc:
             self._drop_gradients()
             self._micro = 0
+            lost = _lost_peer(exc) if self.comm is not None else None
+            if lost is not None:
+                import torch.distributed as dist
+
+                raise DistributedError(
+                    f"rank {dist.get_rank()} of {dist.get_world_size()}: the gradient exchange of step "
+                    f"{self.steps + 1} failed ({lost}); another rank died or stalled past the process-group "
+                    "timeout (DataParallelConfig.timeout_s). Restart every rank and resume with "
+                    "Engine.load(<last checkpoint>)") from exc
             raise
 
     def _step(self, b: Batch) -> StepStats:
@@ -413,11 +422,40 @@ class Engine:
     def load_state_dict(self, state: dict) -> None:
         """Restore a state_dict; before set-up (fusion pending) it is applied at the first step."""
         ckpt.validate_structure(state)
+        if state.get("model") is not None:
+            self._check_model_keys(state["model"])  # before anything is changed
         self._check_compatible(state)
         if not self.ready:
             self._pending_state = state
             return
         self._load_after_setup(state)
+
+    def _check_model_keys(self, saved: dict) -> None:
+        mine = self.module.state_dict()
+        # in model order, so the first names listed are the first layers that differ
+        missing = [k for k in mine if k not in saved]
+        unexpected = [k for k in saved if k not in mine]
+        shapes = [k for k in mine if k in saved and tuple(getattr(saved[k], "shape", ())) != tuple(mine[k].shape)]
+        if not (missing or unexpected or shapes):
+            return
+
+        def listed(names, describe=str):
+            more = f" and {len(names) - 6} more" if len(names) > 6 else ""
+            return ", ".join(describe(n) for n in names[:6]) + more
+
+        parts = []
+        if missing:
+            parts.append(f"missing from the checkpoint: {listed(missing)}")
+        if unexpected:
+            parts.append(f"unexpected in the checkpoint: {listed(unexpected)}")
+        if shapes:
+            parts.append("other shapes: " + listed(shapes, lambda k: f"{k} {tuple(saved[k].shape)} in the checkpoint, "
+                                                                  f"{tuple(mine[k].shape)} here"))
+        raise CheckpointError(
+            f"the checkpoint was saved from another model architecture ({'; '.join(parts)}); build the model it "
+            "was trained with, or load the matching weights alone with "
+            "turbotrain.load_model_weights(path, model, strict=False)"
+        )
 
     def _check_compatible(self, state: dict) -> None:
         saved_type = state.get("optimizer_type")
@@ -509,6 +547,17 @@ class Engine:
         engine = cls(model, optimizer, loss_fn, config=config, scheduler=scheduler)
         engine.load_state_dict(state)
         return engine
+
+
+_LOST_PEER = ("Connection reset by peer", "Connection closed by peer", "Timed out waiting")
+
+
+def _lost_peer(exc: BaseException) -> Optional[str]:
+    """The first line of a collective's error that says a peer is gone (gloo raises RuntimeError)."""
+    if not isinstance(exc, RuntimeError) or isinstance(exc, TurbotrainError):
+        return None
+    text = str(exc)
+    return text.splitlines()[0][:200] if any(m in text for m in _LOST_PEER) else None
 
 
 def _qualname(obj) -> str:

@@ -39,6 +39,8 @@ class DataParallelConfig:
     """Exchange gradients of nn.Embedding(sparse=True) sparsely instead of densely."""
     find_unused_parameters: bool = False
     """Passed to DDP; only needed for models whose graph skips parameters."""
+    timeout_s: float = 300.0
+    """Bound on every collective: a rank that died or stalled ends the others after this long."""
 
     def __post_init__(self):
         check_choice("compression", self.compression, COMPRESSIONS)
@@ -47,6 +49,7 @@ class DataParallelConfig:
         check_number("bucket_mb", self.bucket_mb, minimum=0, exclusive=True)
         check_number("powersgd_rank", self.powersgd_rank, integer=True, minimum=1)
         check_number("warmup_steps", self.warmup_steps, integer=True, minimum=0)
+        check_number("timeout_s", self.timeout_s, minimum=0, exclusive=True)
         for name in ("sync_bn", "sparse_embeddings", "find_unused_parameters"):
             check_bool(name, getattr(self, name))
         if self.strategy == "parameter_server" and self.compression in ("powersgd", "onebit"):

@@ -28,7 +28,7 @@ class DataParallelTransform(Transform):
         # buffer are then created on that GPU, not on cuda:0 for every rank.
         from .env import init
 
-        info = init()  # a no-op returning the launch info when the group already exists
+        info = init(timeout_s=self.dp.timeout_s)  # a no-op returning the info when the group exists
         if device.type != "cuda":
             return device
         device = torch.device("cuda", info.local_rank % max(torch.cuda.device_count(), 1))
