@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # The one script a GPU session runs: the CUDA paths the CPU suite cannot exercise (Triton kernels at
 # odd shapes, fp16 loss scaling through the fused head, NCCL + DDP with every compression and
-# SyncBatchNorm, the quick bench ladder on cuda). Output format: docs/gpu-check.md.
+# SyncBatchNorm, the quick bench ladder on cuda, FSDP2 with bf16 and a sharded checkpoint on
+# NCCL). Output format: docs/gpu-check.md.
 #
 #   bash scripts/gpu-check.sh          (PYTHON=/path/to/python to choose the interpreter)
 #
-# Every stage runs under its own `timeout`; with the probes they sum to 465 s (10 + 30 + 20 + 150
-# + 70 + 75 + 95, plus 3 s of kill grace for each of the 5 stages), so the whole script ends in
-# under 8 minutes. A stage that fails or times out is reported and the next one still runs.
+# Every stage runs under its own `timeout`; with the probes they sum to 473 s (10 + 30 + 15 + 150
+# + 70 + 60 + 80 + 40, plus 3 s of kill grace for each of the 6 stages), so the whole script ends
+# in under 8 minutes. A stage that fails or times out is reported and the next one still runs.
 # Nothing is installed: the interpreter must already have torch (CUDA build), pytest and, for the
 # fused kernels, triton. Exit status: 0 no stage failed, 1 some failed, 2 no usable GPU here.
 set -uo pipefail
@@ -99,6 +100,17 @@ ddp_note() {  # the worker's RESULT or SKIP line
     line=$(grep -E '^gpu-check-ddp: (RESULT|SKIP)' "$1" | tail -n 1 | sed 's/^gpu-check-ddp: //; s/^RESULT //')
     echo "${line:-no result line from the ranks (see $1)}"
 }
+fsdp_note() {  # the RESULT line (a SKIP only if no run got as far); says when it fell back to one rank
+    local line fallback=""
+    line=$(grep -E '^gpu-check-fsdp: RESULT' "$1" | tail -n 1 | sed 's/^gpu-check-fsdp: RESULT //')
+    if grep -q '^gpu-check-fsdp: NOTE' "$1"; then
+        fallback="; NCCL refused 2 ranks on one GPU, so checked on 1 rank"
+    fi
+    if [ -z "$line" ] && [ -z "$fallback" ]; then
+        line=$(grep -E '^gpu-check-fsdp: SKIP' "$1" | tail -n 1 | sed 's/^gpu-check-fsdp: //')
+    fi
+    echo "${line:-no result line from the ranks (see $1)}${fallback}"
+}
 bench_note() {
     if [ -f bench-out/gpu-quick/results.json ]; then echo "rows in bench-out/gpu-quick/results.json"; else echo "no results.json (see $1)"; fi
 }
@@ -112,7 +124,7 @@ nccl = ".".join(map(str, torch.cuda.nccl.version())) if dist.is_nccl_available()
 triton = __import__("triton").__version__ if importlib.util.find_spec("triton") else "missing"
 print(f"{torch.cuda.device_count()}x {name} (capability {cap}), torch {torch.__version__}, "
       f"CUDA {torch.version.cuda}, NCCL {nccl}, triton {triton}")'
-run_stage env 20 tail_note "$PY" -c "$ENV_PY"
+run_stage env 15 tail_note "$PY" -c "$ENV_PY"
 
 # -- 3. CUDA-marked tests: fused ops at odd widths, fp16/bf16, bias, non-contiguous, multi-block
 #       vocabularies; precision modes and the loss scaler. --------------------------------------
@@ -126,18 +138,20 @@ run_stage fp16-fused-ce 70 pytest_note "$PY" -m pytest -q -m cuda -p no:cachepro
 # -- 5. NCCL: Engine + DDP with each compression and SyncBatchNorm, two ranks (one per GPU, or both
 #       on one GPU where NCCL allows it; scripts/gpu-check-ddp.py says SKIP where it does not). ---
 NPROC=$(( NGPU >= 2 ? NGPU : 2 ))
-run_stage nccl-ddp 75 ddp_note "$PY" -m torch.distributed.run --standalone --nproc_per_node="$NPROC" \
+run_stage nccl-ddp 60 ddp_note "$PY" -m torch.distributed.run --standalone --nproc_per_node="$NPROC" \
     scripts/gpu-check-ddp.py
 
 # -- 6. The quick bench ladder on cuda (tiny gpt, 4 rows, each its own process). ---------------
 rm -rf bench-out/gpu-quick  # so the note cannot point at an older run's results
 # the `turbotrain` entry point, called through $PY so no installed console script is needed
 TT_CLI='import sys; from turbotrain.cli import main; sys.exit(main())'
-run_stage bench-quick 95 bench_note "$PY" -c "$TT_CLI" bench --workload gpt --quick --device cuda \
+run_stage bench-quick 80 bench_note "$PY" -c "$TT_CLI" bench --workload gpt --quick --device cuda \
     --strict --out bench-out/gpu-quick
 
-# -- 7. FSDP2: turbotrain has no FSDP2 (fully_shard) path yet, so there is nothing to check. -----
-record fsdp2 NOT-BUILT 0 "not built yet: turbotrain has no FSDP2 path; this stage is a placeholder"
+# -- 7. FSDP2 on NCCL: Engine + Config(parallel=ParallelConfig()) in bf16-master for 20 steps, then a
+#       sharded save loaded into a fresh Engine; one rank per GPU (2 on one GPU, or 1 rank where NCCL
+#       refuses two on one GPU: scripts/gpu-check-fsdp.py launches itself and falls back). ----------
+run_stage fsdp2 40 fsdp_note "$PY" scripts/gpu-check-fsdp.py --nproc "$NPROC"
 
 # -- Summary --------------------------------------------------------------------------------------
 echo

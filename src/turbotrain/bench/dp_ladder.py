@@ -1,9 +1,9 @@
 """The data-parallel benchmark ladder: what each way of exchanging gradients costs, and what it loses.
 
-    turbotrain bench --nproc 2 [--link 1gbit] [--quick]
+    turbotrain bench --nproc 2 [--link 1gbit] [--quick] [--configs ddp,fsdp,tp+sp] [--max-state-bytes 30M]
     >>> from turbotrain.bench.dp_ladder import DP_ROWS
     >>> list(DP_ROWS)
-    ['ddp', 'ddp+accumulate4', 'ddp+bf16', 'ddp+powersgd', 'ddp+onebit']
+    ['ddp', 'ddp+accumulate4', 'ddp+bf16', 'ddp+powersgd', 'ddp+onebit', 'fsdp', 'fsdp+ckpt', 'tp', 'tp+sp']
 
 Every row is one torchrun job (gloo, 127.0.0.1, one torch/OMP thread per rank) that trains the
 same workload through ``Engine(Config(data_parallel=...))``, and is paired with a *local* job: the
@@ -42,6 +42,24 @@ Choices, and why:
   whether it converges to the same place.
 * ``quick=True``: the bench's quick gpt (d=128, 2 layers, T=64, B=4), 3 + 8 steps, 2 val batches:
   start-up dominates, ~90 s for the whole ladder; a smoke test, not a benchmark.
+* **Sharded rows** (``fsdp``, ``fsdp+ckpt``, ``tp``, ``tp+sp``; by name only, not in the default
+  ladder) train through ``Engine(Config(parallel=ParallelConfig(...)))`` instead of DDP: FSDP2 over every rank
+  (``dp_shard=-1``, 2 on two ranks), the same with activation checkpointing, tensor parallel over
+  2 ranks (``tp=2``: ``dp_shard=1`` on two ranks; FSDP over the rest on more) and the same with
+  sequence parallel. Their memory is the point: every row reports each rank's peak of parameters
+  + gradients + optimizer state (their local shards' bytes, turbotrain.bench.dp_worker) and the
+  process's resident high-water mark beside it, and ``state_bytes_vs_ddp`` against the baseline.
+  The two tensor-parallel ranks share their rows, so a tp step trains on half the tokens of a ddp
+  step (throughput counts that), and its local comparison is the local step divided by tp (a
+  perfect split of the compute): its ``comm_overhead`` is then the exchange *and* the work tensor
+  parallel repeats on every rank (the cross-entropy over the gathered logits, the embedding).
+  ``step_time_vs_ddp`` is the row's step time over ddp's. FSDP's and DTensor's collectives are not
+  counted (``collectives/step`` shows —), only DDP's hook is.
+* ``max_state_bytes`` caps those bytes, enforced in every dp job (not assumed from the sizes): a row
+  whose largest rank goes over stops with StateCapExceeded before its next forward and is reported
+  as an error. ``turbotrain bench --nproc 2 --configs ddp,fsdp --max-state-bytes N`` with N between
+  FSDP's and DDP's figure shows a model that does not fit a rank under DDP training under FSDP2.
+  Local jobs are never capped (they are the timing reference, unsharded by definition).
 * ``link='1gbit'`` runs each job inside ``shape-link.sh`` (shipped in turbotrain/bench/data: a private network namespace
   whose loopback is tc-shaped). Both directions share the one shaped egress, like a half-duplex
   link. Without root, ``ip`` or ``tc`` it raises HardwareError rather than measure unshaped.
@@ -72,7 +90,7 @@ from .dp_worker import LadderSpec
 __all__ = [
     "DP_ROWS", "DpRow", "BASELINE_ROW", "DEFAULT_STEPS", "DEFAULT_WARMUP", "QUICK_STEPS", "QUICK_WARMUP",
     "run_dp_ladder", "comm_overhead", "parse_rate", "link_floor_seconds", "check_link",
-    "row_metrics", "shape_link_script", "DEFAULT_PRECISION",
+    "row_metrics", "shape_link_script", "DEFAULT_PRECISION", "local_key", "DEFAULT_CONFIGS",
 ]
 
 SCHEMA = "turbotrain-dp-bench/1"
@@ -85,11 +103,19 @@ DEFAULT_PRECISION = "auto"
 
 @dataclass(frozen=True)
 class DpRow:
-    """One ladder row: the DataParallelConfig compression and the accumulation it trains with."""
+    """One ladder row: the DataParallelConfig compression (or the ParallelConfig) it trains with."""
 
     compression: str | None
     accumulate: int
     description: str
+    parallel: dict | None = None
+    """ParallelConfig fields: train through Config(parallel=...) instead of DDP."""
+    checkpoint: str | None = None
+    """Config.checkpoint of the row (and of its local job)."""
+
+    @property
+    def tp(self) -> int:
+        return (self.parallel or {}).get("tp", 1)
 
 
 DP_ROWS = {
@@ -98,9 +124,20 @@ DP_ROWS = {
     "ddp+bf16": DpRow("bf16", 1, "gradients cast to bf16 on the wire"),
     "ddp+powersgd": DpRow("powersgd", 1, "rank-4 PowerSGD with error feedback"),
     "ddp+onebit": DpRow("onebit", 1, "1-bit Adam: sign-compressed momentum after warm-up"),
+    "fsdp": DpRow(None, 1, "FSDP2 (ZeRO-3): parameters, gradients and Adam state sharded over every rank",
+                  parallel={"dp_shard": -1}),
+    "fsdp+ckpt": DpRow(None, 1, "FSDP2 with activation checkpointing of every block",
+                       parallel={"dp_shard": -1}, checkpoint="blocks"),
+    "tp": DpRow(None, 1, "tensor parallel over 2 ranks (the rows shared by the pair)",
+                parallel={"dp_shard": -1, "tp": 2}),
+    "tp+sp": DpRow(None, 1, "tensor + sequence parallel over 2 ranks (norms and residual split along T)",
+                   parallel={"dp_shard": -1, "tp": 2, "sequence_parallel": True}),
 }
 #: The row val-loss deltas are relative to: uncompressed, no accumulation.
 BASELINE_ROW = "ddp"
+#: What ``configs=None`` runs: the ways of exchanging DDP's gradients (the sharded rows are asked for by
+#: name, so the default ladder stays the one the dated benchmarks/dp entries were made with).
+DEFAULT_CONFIGS = tuple(name for name, row in DP_ROWS.items() if row.parallel is None)
 
 
 def comm_overhead(t_dp: float, t_local: float) -> float:
@@ -216,8 +253,11 @@ def _metric(unit: str, median, p20=None, p80=None) -> dict:
     return {"unit": unit, "median": median, "p20": p20, "p80": p80}
 
 
-def row_metrics(dp: dict, local: dict | None, baseline: dict | None) -> dict[str, dict]:
-    """Every metric of one row from its dp result, its local result and the baseline row's dp result."""
+def row_metrics(dp: dict, local: dict | None, baseline: dict | None, *, tp: int = 1) -> dict[str, dict]:
+    """Every metric of one row from its dp result, its local result and the baseline row's dp result.
+
+    ``tp``: the row's tensor-parallel degree; its local step is compared as split over that many ranks.
+    """
     from .stats import relative_change, throughput
 
     t = _summary(dp["step_seconds"])
@@ -228,29 +268,50 @@ def row_metrics(dp: dict, local: dict | None, baseline: dict | None) -> dict[str
         # a rate's p20 comes from the time's p80
         "throughput": _metric(f"{unit}/s", throughput(items, t["median"]), throughput(items, t["p80"]),
                               throughput(items, t["p20"])),
-        "exchange_rounds_per_step": _metric("collectives/optimizer step", dp["exchange_rounds"] / steps),
-        "collective_calls_per_step": _metric("calls/optimizer step", dp["collective_calls"] / steps),
         "val_loss": _metric("nats", dp["val_loss"]),
     }
+    if dp.get("exchange_rounds") is not None:  # sharded rows: their collectives are not counted
+        out["exchange_rounds_per_step"] = _metric("collectives/optimizer step", dp["exchange_rounds"] / steps)
+        out["collective_calls_per_step"] = _metric("calls/optimizer step", dp["collective_calls"] / steps)
+    if dp.get("state_bytes_peak") is not None:  # parameters + gradients + optimizer state, and the whole process
+        out["state_bytes_peak"] = _metric("bytes, largest rank", dp["state_bytes_peak"])
+        out["rss_peak"] = _metric("bytes, largest rank", dp["rss_peak_bytes"])
     if local is not None and local.get("status") == "ok":
         lt = _summary(local["step_seconds"])
         out["local_step_time"] = _metric("s", lt["median"], lt["p20"], lt["p80"])
-        out["comm_overhead"] = _metric("fraction of dp step", comm_overhead(t["median"], lt["median"]))
-    if baseline is not None and baseline.get("status") == "ok" and None not in (dp["val_loss"], baseline["val_loss"]):
-        out["val_loss_delta"] = _metric("%", relative_change(dp["val_loss"], baseline["val_loss"]))
+        out["comm_overhead"] = _metric("fraction of dp step", comm_overhead(t["median"], lt["median"] / tp))
+    if baseline is not None and baseline.get("status") == "ok":
+        if None not in (dp["val_loss"], baseline["val_loss"]):
+            out["val_loss_delta"] = _metric("%", relative_change(dp["val_loss"], baseline["val_loss"]))
+        base_t = _summary(baseline["step_seconds"])["median"]
+        out["step_time_vs_ddp"] = _metric(f"x {BASELINE_ROW}", t["median"] / base_t)
+        if dp.get("state_bytes_peak") and baseline.get("state_bytes_peak"):
+            ratio = dp["state_bytes_peak"] / baseline["state_bytes_peak"]
+            out["state_bytes_vs_ddp"] = _metric(f"x {BASELINE_ROW}", ratio)
     return out
 
 
-def _local_key(accumulate: int) -> str:
-    """Local jobs are named by the only work they vary in (precision is the same in every row)."""
-    return "local" if accumulate == 1 else f"local+accumulate{accumulate}"
+def local_key(row: DpRow) -> str:
+    """Local jobs are named by the only work they vary in (precision is the same in every row).
+
+    >>> local_key(DP_ROWS["ddp+accumulate4"]), local_key(DP_ROWS["fsdp+ckpt"]), local_key(DP_ROWS["tp+sp"])
+    ('local+accumulate4', 'local+ckpt', 'local')
+    """
+    key = "local" if row.accumulate == 1 else f"local+accumulate{row.accumulate}"
+    return key + ("+ckpt" if row.checkpoint else "")
+
+
+def _local_settings(key: str) -> dict:
+    """The LadderSpec fields a local job's key stands for (the inverse of local_key)."""
+    match = re.fullmatch(r"local(?:\+accumulate(\d+))?(\+ckpt)?", key)
+    return {"accumulate": int(match.group(1) or 1), "checkpoint": "blocks" if match.group(2) else None}
 
 
 def _job_order(names: list[str]) -> list[tuple[str, str]]:
     """(kind, name) jobs: each local job just before the first dp row that needs it."""
     jobs, seen = [], set()
     for name in names:
-        key = _local_key(DP_ROWS[name].accumulate)
+        key = local_key(DP_ROWS[name])
         if key not in seen:
             seen.add(key)
             jobs.append(("local", key))
@@ -265,12 +326,12 @@ def _print_table(console, doc: dict) -> None:
     table = Table(title=f"data-parallel ladder: {doc['header']['workload']['name']}, "
                         f"{doc['header']['nproc']} ranks, link {link}")
     for col in ("config", "step ms (p20-p80)", "local step ms", "comm overhead", "tokens/s", "val loss",
-                "Δval vs ddp", "collectives/step"):
+                "Δval vs ddp", "collectives/step", "state MiB/rank", "× ddp", "peak RSS MiB"):
         table.add_column(col, justify="left" if col == "config" else "right")
     for name, row in doc["configs"].items():
         m = row.get("metrics")
         if m is None:
-            table.add_row(name, f"[red]error[/]: {escape(str(row.get('error', '?')))}", *[""] * 6)
+            table.add_row(name, f"[red]error[/]: {escape(str(row.get('error', '?')))}", *[""] * 9)
             continue
 
         def get(metric, pattern, scale=1.0):
@@ -282,7 +343,8 @@ def _print_table(console, doc: dict) -> None:
             name, f"{st['median'] * 1e3:.0f} ({st['p20'] * 1e3:.0f}-{st['p80'] * 1e3:.0f})",
             get("local_step_time", "{:.0f}", 1e3), get("comm_overhead", "{:.1%}"),
             get("throughput", "{:,.0f}"), get("val_loss", "{:.4f}"), get("val_loss_delta", "{:+.2f}%"),
-            get("exchange_rounds_per_step", "{:g}"))
+            get("exchange_rounds_per_step", "{:g}"), get("state_bytes_peak", "{:.2f}", 2**-20),
+            get("state_bytes_vs_ddp", "{:.2f}"), get("rss_peak", "{:.0f}", 2**-20))
     console.print(table)
 
 
@@ -291,15 +353,16 @@ def _target_note(doc: dict) -> str:
     met, missed = [], []
     for name, row in doc["configs"].items():
         m = row.get("metrics", {})
-        if "comm_overhead" not in m or "val_loss_delta" not in m or name == BASELINE_ROW:
-            continue
+        if "comm_overhead" not in m or "val_loss_delta" not in m or name == BASELINE_ROW or DP_ROWS[name].parallel:
+            continue  # the bar is for the ways of exchanging DDP's gradients; sharded rows trade memory
         ok = m["comm_overhead"]["median"] <= 0.15 and abs(m["val_loss_delta"]["median"]) <= 2.0
         (met if ok else missed).append(name)
     return (f"target (comm overhead <= 15% and |Δval| <= 2% vs {BASELINE_ROW}) on link {doc['header']['link']}: "
             f"met by {', '.join(met) or 'none'}; missed by {', '.join(missed) or 'none'}")
 
 
-def _header(workload: str, overrides: dict, names, nproc, steps, warmup, precision, link, quick, seed, val_batches):
+def _header(workload: str, overrides: dict, names, nproc, steps, warmup, precision, link, quick, seed, val_batches,
+            max_state_bytes=None):
     from ..hardware import detect
     from ..workloads import get_workload
 
@@ -315,8 +378,13 @@ def _header(workload: str, overrides: dict, names, nproc, steps, warmup, precisi
         "precision": precision, "link": link or "loopback", "quick": quick, "hardware": hw,
         "versions": hw["versions"], "baseline": BASELINE_ROW,
         "step_time": "per optimizer step (all its micro-batches), slowest rank per step, warm-up excluded",
-        "comm_overhead": "(median dp step - median local step) / median dp step; local = same Engine, "
-                         "same per-rank batches, no data_parallel, ranks side by side",
+        "comm_overhead": "(median dp step - median local step / tp) / median dp step; local = same Engine, "
+                         "same per-rank batches, no data_parallel, ranks side by side; tp = 1 but in "
+                         "tensor-parallel rows",
+        "state_bytes": "per rank, peak over the optimizer steps of the parameters + gradients + optimizer "
+                       "state it holds (local shards, each storage once; read before and after every "
+                       "optimizer step); rss_peak: the process's ru_maxrss; both the largest rank's",
+        "max_state_bytes": max_state_bytes,
         "notes": [],
     }
 
@@ -324,19 +392,29 @@ def _header(workload: str, overrides: dict, names, nproc, steps, warmup, precisi
 def run_dp_ladder(workload: str = "gpt", nproc: int = 2, steps: int | None = None, configs=None,
                   link: str | None = None, out_dir: str | Path = "bench-out", quick: bool = False,
                   overrides: dict | None = None, *, warmup: int | None = None, precision: str = DEFAULT_PRECISION,
-                  seed: int = 0, timeout: float = 900.0, console=None) -> dict:
-    """Run the ladder, print the environment line and table, write ``out_dir/dp_results.json``; returns it."""
+                  seed: int = 0, timeout: float = 900.0, max_state_bytes: int | None = None, console=None) -> dict:
+    """Run the ladder, print the environment line and table, write ``out_dir/dp_results.json``; returns it.
+
+    ``max_state_bytes``: every dp job stops when a rank's parameters + gradients + optimizer state
+    pass it (see the module docstring); None, no cap.
+    """
     from ..precision.config import PRECISIONS
     from .runner import QUICK_OVERRIDES
 
     out = check_output_dir(out_dir)
     console = make_console(console)
-    names = list(dict.fromkeys(configs or DP_ROWS))
+    names = list(dict.fromkeys(configs or DEFAULT_CONFIGS))
     for name in names:
         check_choice("dp ladder config", name, tuple(DP_ROWS))
     check_choice("precision", precision, PRECISIONS)
     if nproc < 2:
         raise ConfigError(f"nproc={nproc}: a data-parallel ladder needs at least 2 ranks (--nproc 2)")
+    for name in names:
+        if nproc % DP_ROWS[name].tp:
+            raise ConfigError(f"{name} runs tensor parallel over {DP_ROWS[name].tp} ranks, which does not divide "
+                              f"--nproc {nproc}; use an even --nproc or leave {name} out")
+    if max_state_bytes is not None:
+        check_positive("max_state_bytes", max_state_bytes)
     steps = steps or (QUICK_STEPS if quick else DEFAULT_STEPS)
     warmup = warmup if warmup is not None else (QUICK_WARMUP if quick else DEFAULT_WARMUP)
     if warmup < 2:
@@ -351,7 +429,8 @@ def run_dp_ladder(workload: str = "gpt", nproc: int = 2, steps: int | None = Non
         precision_note = f"precision 'auto' chose {precision!r}: {reason}"
     overrides = {**(QUICK_OVERRIDES.get(workload, {}) if quick else {}), **(overrides or {})}
     val_batches = 2 if quick else 4
-    doc_header = _header(workload, overrides, names, nproc, steps, warmup, precision, link, quick, seed, val_batches)
+    doc_header = _header(workload, overrides, names, nproc, steps, warmup, precision, link, quick, seed, val_batches,
+                         max_state_bytes)
     hw = doc_header["hardware"]
     console.print(f"[bold]environment[/] cpu {hw['cpu_model']} ({hw['cpu_count']} logical CPUs), {nproc} ranks x 1 "
                   f"thread, gloo on {'loopback shaped to ' + link if link else 'plain loopback'}; "
@@ -370,11 +449,11 @@ def run_dp_ladder(workload: str = "gpt", nproc: int = 2, steps: int | None = Non
     with tempfile.TemporaryDirectory(prefix="turbotrain-dp-") as tmp:
         for kind, name in _job_order(names):
             if kind == "local":
-                acc = 4 if name.endswith("accumulate4") else 1
-                spec = LadderSpec(row=name, mode="local", accumulate=acc, **common)
+                spec = LadderSpec(row=name, mode="local", **_local_settings(name), **common)
             else:
                 row = DP_ROWS[name]
                 spec = LadderSpec(row=name, mode="dp", compression=row.compression, accumulate=row.accumulate,
+                                  parallel=row.parallel, checkpoint=row.checkpoint, max_state_bytes=max_state_bytes,
                                   **common)
             with console.status(f"{kind} job {name} ..."):
                 results[name] = _run_job(spec, nproc, link, Path(tmp), timeout)
@@ -400,10 +479,11 @@ def _build_doc(header: dict, names: list[str], results: dict) -> dict:
     rows, configs = [], {}
     for name in names:
         dp = results[name]
-        local_key = _local_key(DP_ROWS[name].accumulate)
-        local = results.get(local_key)
-        detail = {"description": DP_ROWS[name].description, "local_job": local_key, **dp,
-                  "local": local}
+        row = DP_ROWS[name]
+        key = local_key(row)
+        local = results.get(key)
+        detail = {"description": row.description, "local_job": key, "parallel": row.parallel,
+                  "checkpoint": row.checkpoint, "local_divisor": row.tp, **dp, "local": local}
         if dp.get("status") == "ok":
             if dp.get("diverged"):
                 header["notes"].append(f"{name}: training diverged (non-finite loss or weights)")
@@ -411,7 +491,7 @@ def _build_doc(header: dict, names: list[str], results: dict) -> dict:
                 header["notes"].append(f"{name}: the ranks' weights differ after training (replicas out of sync)")
             if local is not None and local.get("status") != "ok":
                 header["notes"].append(f"{name}: its local job failed ({local.get('error')}), so no overhead")
-            detail["metrics"] = row_metrics(dp, local, baseline)
+            detail["metrics"] = row_metrics(dp, local, baseline, tp=row.tp)
             rows += [{**common, "config": name, "metric": metric, **value}
                      for metric, value in detail["metrics"].items()]
         configs[name] = detail
@@ -423,4 +503,16 @@ def _build_doc(header: dict, names: list[str], results: dict) -> dict:
             f"{header['link']} (2(n-1) buffers through one shaped loopback)")
     doc = {"schema": SCHEMA, "header": header, "rows": rows, "configs": configs}
     header["notes"].append(_target_note(doc))
+    if header.get("max_state_bytes") is not None:
+        header["notes"].append(_cap_note(doc))
     return doc
+
+
+def _cap_note(doc: dict) -> str:
+    """Which rows trained under the state cap and which it stopped."""
+    cap = doc["header"]["max_state_bytes"]
+    under = [f"{n} ({c['state_bytes_peak'] / 2**20:.2f} MiB)" for n, c in doc["configs"].items()
+             if c.get("status") == "ok"]
+    over = [n for n, c in doc["configs"].items() if "StateCapExceeded" in str(c.get("error", ""))]
+    return (f"state cap {cap / 2**20:.2f} MiB per rank (parameters + gradients + optimizer state, enforced): "
+            f"trained under it: {', '.join(under) or 'none'}; stopped by it: {', '.join(over) or 'none'}")

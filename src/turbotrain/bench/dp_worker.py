@@ -2,15 +2,25 @@
 
     python -m turbotrain.comm.launch --nproc-per-node=2 --nnodes=1 -m turbotrain.bench.dp_worker SPEC.json RESULT.json
 
-``mode='dp'`` trains through ``Engine(Config(data_parallel=...))``; ``mode='local'`` trains the
-same model on the same per-rank batches with no DDP at all, so the two step times differ only by
-what data parallelism adds (the exchange and the compression arithmetic). The process group is
+``mode='dp'`` trains through ``Engine(Config(data_parallel=...))``, or with ``parallel`` set through
+``Engine(Config(parallel=ParallelConfig(...)))`` (FSDP2, tensor and sequence parallel);
+``mode='local'`` trains the same model on the same per-rank batches with no DDP at all, so the two
+step times differ only by what data parallelism adds (the exchange and the compression arithmetic). The process group is
 started in both modes, but a local job uses it only outside the timed loop: a barrier so both
 ranks start together (they share the CPU, as in the dp job) and the gather of step times.
 
 Step time is per optimizer step (all its micro-batches), the slowest rank's for each step: a dp
 step ends for everyone when the last rank's exchange does, and taking the same statistic for the
 local job keeps the two comparable. Rank 0 writes RESULT.json.
+
+Memory, per rank: ``state bytes`` are the parameters, gradients and optimizer state this rank
+holds (each tensor's local shard, each storage counted once), read just before and just after
+every optimizer step (gradients exist then, and Adam's moments from the first step on); the job
+reports each rank's peak. Not counted: activations, FSDP's transient all-gather buffers, DDP's
+gradient buckets. Beside it, the whole process's resident high-water mark (``ru_maxrss``: the
+torch libraries, the corpus, activations, everything). With ``max_state_bytes`` the state bytes
+are a cap, enforced: at every such check the largest rank's figure is agreed across the ranks and
+every rank stops with StateCapExceeded if it is over, before the next forward.
 """
 
 from __future__ import annotations
@@ -18,6 +28,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import resource
 import sys
 import time
 from dataclasses import dataclass, field
@@ -26,10 +37,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..errors import ConfigError
+from ..errors import ConfigError, TurbotrainError
 from .worker import error_result, write_result
 
-__all__ = ["LadderSpec", "MODES", "run_rank", "main"]
+__all__ = ["LadderSpec", "MODES", "run_rank", "main", "state_bytes", "StateMeter", "StateCapExceeded",
+           "rss_peak_bytes"]
 
 MODES = ("dp", "local")
 
@@ -60,6 +72,12 @@ class LadderSpec:
     threads: int = 1
     timeout_s: float = 300.0
     """Bound on every collective, so a rank that dies fails the job instead of hanging it."""
+    parallel: dict | None = None
+    """ParallelConfig fields (e.g. {"dp_shard": -1}): train through Config(parallel=...) instead of DDP."""
+    checkpoint: str | None = None
+    """Config.checkpoint (activation checkpointing), in dp and local jobs alike."""
+    max_state_bytes: int | None = None
+    """Cap on any rank's parameter + gradient + optimizer-state bytes; over it the job stops (dp jobs)."""
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -67,6 +85,90 @@ class LadderSpec:
         for name in ("accumulate", "steps", "threads", "val_batches"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.parallel is not None and (self.mode != "dp" or self.compression is not None):
+            raise ConfigError("parallel= is a dp-mode setting without compression (FSDP and tensor parallel "
+                              "exchange their own way); drop compression or parallel")
+        if self.max_state_bytes is not None and self.max_state_bytes < 1:
+            raise ConfigError(f"max_state_bytes={self.max_state_bytes} must be >= 1 (bytes), or None for no cap")
+
+    def parallel_config(self):
+        """The ParallelConfig of a parallel row, else None."""
+        from ..parallel import ParallelConfig
+
+        return None if self.parallel is None else ParallelConfig(**self.parallel)
+
+
+class StateCapExceeded(TurbotrainError):
+    """A rank's parameters, gradients and optimizer state outgrew LadderSpec.max_state_bytes."""
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t  # a DTensor's shard on this rank
+
+
+def state_bytes(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the parameters, gradients and optimizer state this rank holds right now.
+
+    Each tensor is taken as its local shard (a DTensor's ``to_local()``) and counted by its storage,
+    once however many tensors view it: FSDP's padded shards, tied weights, and a precision mode's
+    low-precision parameters beside their FP32 masters are all what they really occupy.
+
+    >>> net = torch.nn.Linear(4, 4)   # 20 FP32 parameters
+    >>> state_bytes(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    80
+    """
+    params = [*module.parameters(), *(p for g in optimizer.param_groups for p in g["params"])]
+    tensors = [*params, *(p.grad for p in params if p.grad is not None),
+               *(v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor))]
+    storages = {}
+    for t in tensors:
+        storage = _local(t).untyped_storage()
+        storages[(t.device.type, storage.data_ptr())] = storage.nbytes()
+    return sum(storages.values())
+
+
+def rss_peak_bytes() -> int:
+    """This process's resident-memory high-water mark since it started (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _mb(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+class StateMeter:
+    """Reads ``state_bytes`` just before and just after every optimizer step; keeps the peak.
+
+    With ``cap`` it is enforced: the largest rank's figure is agreed across the ranks (one MAX
+    all-reduce per check, so every rank stops together instead of one waiting in a collective for a
+    rank that stopped) and StateCapExceeded is raised on every rank when it is over.
+    """
+
+    def __init__(self, engine, cap: int | None = None):
+        self.module, self.optimizer, self.cap = engine.module, engine.optimizer, cap
+        self.peak = 0
+        self._step = 0
+        self._handles = [self.optimizer.register_step_pre_hook(lambda *_: self.check("before")),
+                         self.optimizer.register_step_post_hook(lambda *_: self.check("after"))]
+
+    def check(self, when: str) -> None:
+        now = state_bytes(self.module, self.optimizer)
+        self.peak = max(self.peak, now)
+        if when == "after":
+            self._step += 1
+        if self.cap is None:
+            return
+        largest = torch.tensor(now, dtype=torch.int64)
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+        if int(largest) > self.cap:
+            raise StateCapExceeded(
+                f"a rank's parameters + gradients + optimizer state reach {_mb(int(largest))} {when} optimizer "
+                f"step {self._step + (when == 'before')} (this rank: {_mb(now)}), over the cap of {_mb(self.cap)} "
+                "(--max-state-bytes); shard them over the ranks (the fsdp rows) or raise the cap")
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
 
 
 def _batches(workload, split: str, count: int, seed: int) -> list:
@@ -81,10 +183,11 @@ def _build_engine(spec: LadderSpec, workload):
     torch.manual_seed(spec.seed)
     model = workload.build_model()  # seeded by the workload: the same initial weights on every rank
     dp = None
-    if spec.mode == "dp":
+    if spec.mode == "dp" and spec.parallel is None:
         dp = DataParallelConfig(compression=spec.compression, warmup_steps=spec.comm_warmup,
                                 powersgd_rank=spec.powersgd_rank)
-    config = Config(precision=spec.precision, accumulate=spec.accumulate, data_parallel=dp, device="cpu")
+    config = Config(precision=spec.precision, accumulate=spec.accumulate, data_parallel=dp,
+                    parallel=spec.parallel_config(), checkpoint=spec.checkpoint, device="cpu")
     optimizer = make_optimizer(model.parameters())
     if spec.mode == "dp" and spec.compression == "onebit":
         from ..comm.ddp import to_onebit_adam
@@ -103,9 +206,29 @@ def _finite_or_none(value: float) -> float | None:
     return value if math.isfinite(value) else None
 
 
+def _full(p: torch.Tensor) -> torch.Tensor:
+    # a DTensor gathered whole (a collective: every rank calls it in the same order)
+    return p.full_tensor() if hasattr(p, "full_tensor") else p
+
+
 def _params_checksum(engine) -> float:
     with torch.no_grad():
-        return float(sum(p.detach().double().sum() for p in engine.module.parameters()))
+        return float(sum(_full(p.detach()).double().sum() for p in engine.module.parameters()))
+
+
+def _data_parallel_rank(spec: LadderSpec, rank: int, world: int) -> tuple[int, int]:
+    """(index, count) of this rank's data-parallel group: the tensor-parallel ranks of a group share rows."""
+    cfg = spec.parallel_config()
+    if cfg is None:
+        return rank, world
+    degrees = cfg.resolve(world)
+    return rank // degrees.tp, degrees.dp  # tp is the innermost mesh dimension
+
+
+def _gather_ints(value: int, world: int) -> list[int]:
+    out = [None] * world
+    dist.all_gather_object(out, int(value))
+    return out
 
 
 def run_rank(spec: LadderSpec) -> dict | None:
@@ -118,9 +241,12 @@ def run_rank(spec: LadderSpec) -> dict | None:
     rank, world = info.rank, info.world_size
     workload = get_workload(spec.workload, **spec.overrides)
     total_steps = spec.warmup + spec.steps
-    # Each rank reads its own stream (seed offset by rank), as a DistributedSampler would split it.
-    train = _batches(workload, "train", total_steps * spec.accumulate, spec.seed * 1000 + rank)
+    dp_rank, dp_size = _data_parallel_rank(spec, rank, world)
+    # Each data-parallel group reads its own stream (seed offset by its index), as a DistributedSampler
+    # would split it; a tensor-parallel group's ranks read the same rows.
+    train = _batches(workload, "train", total_steps * spec.accumulate, spec.seed * 1000 + dp_rank)
     engine = _build_engine(spec, workload)
+    meter = StateMeter(engine, cap=spec.max_state_bytes if spec.mode == "dp" else None)
 
     times, losses = [], []
     start_counts = _counters(engine)
@@ -133,6 +259,7 @@ def run_rank(spec: LadderSpec) -> dict | None:
         times.append(time.perf_counter() - t0)
         losses.append(float(torch.stack(step_losses).float().mean()))
     end_counts = _counters(engine)
+    meter.close()
 
     # Per step, the slowest rank (the ranks' clocks are compared after the loop, off the clock).
     measured = torch.tensor(times[spec.warmup:], dtype=torch.float64)
@@ -140,14 +267,20 @@ def run_rank(spec: LadderSpec) -> dict | None:
     checksums = [None] * world
     dist.all_gather_object(checksums, _params_checksum(engine))
     val_loss = None
-    if spec.mode == "dp" and rank == 0:
-        # Every replica holds the same weights (checked below), so rank 0's val loss is the job's.
+    sharded = spec.parallel is not None
+    if spec.mode == "dp" and (rank == 0 or sharded):
+        # Every replica holds the same weights (checked below), so rank 0's val loss is the job's;
+        # a sharded model's forward is collective, so there every rank evaluates (the same batches).
         val_loss = engine.eval_loss(_batches(workload, "val", spec.val_batches, spec.seed))
+    state_peaks = _gather_ints(meter.peak, world)
+    rss_peaks = _gather_ints(rss_peak_bytes(), world)
     dist.barrier()
     if rank != 0:
         return None
     finite = all(math.isfinite(c) for c in checksums) and all(math.isfinite(x) for x in losses)
     rounds, calls, aux = (e - s for e, s in zip(end_counts, start_counts))
+    if sharded:  # FSDP's and DTensor's collectives are not counted (CommState counts DDP's hook only)
+        rounds = calls = aux = None
     return {
         "status": "ok",
         "step_seconds": measured.tolist(),
@@ -159,7 +292,8 @@ def run_rank(spec: LadderSpec) -> dict | None:
         "backend": info.backend,
         "threads": torch.get_num_threads(),
         "micro_batches_per_step": spec.accumulate,
-        "items_per_step": world * spec.accumulate * workload.items_per_batch,
+        "items_per_step": dp_size * spec.accumulate * workload.items_per_batch,
+        "data_parallel_size": dp_size,
         "unit": workload.unit,
         "parameters": sum(p.numel() for p in engine.module.parameters()),
         "gradient_bytes": sum(p.numel() * p.element_size() for p in engine.module.parameters() if p.requires_grad),
@@ -169,6 +303,12 @@ def run_rank(spec: LadderSpec) -> dict | None:
         # In dp mode the replicas must agree exactly; in local mode they are expected to differ.
         "replicas_in_sync": (max(checksums) == min(checksums)) if finite else None,
         "optimizer": type(engine.optimizer).__name__,
+        "state_bytes_peak_per_rank": state_peaks,
+        "state_bytes_peak": max(state_peaks),
+        "rss_peak_bytes_per_rank": rss_peaks,
+        "rss_peak_bytes": max(rss_peaks),
+        "max_state_bytes": meter.cap,
+        "engine": engine.describe(),
     }
 
 

@@ -89,7 +89,7 @@ def _list_configs(settings) -> int:
 
 def add_parsers(subparsers, parents=()) -> None:
     """Register ``turbotrain bench``."""
-    from ..bench.dp_ladder import DEFAULT_PRECISION, DP_ROWS
+    from ..bench.dp_ladder import DEFAULT_CONFIGS, DEFAULT_PRECISION, DP_ROWS
     from ..bench.runner import DEFAULT_ROUNDS, DEFAULT_STEPS, DEFAULT_WARMUP, QUICK_ROUNDS, QUICK_STEPS, QUICK_WARMUP
 
     p = subparsers.add_parser("bench", parents=parents,
@@ -98,7 +98,8 @@ def add_parsers(subparsers, parents=()) -> None:
     p.add_argument("--workload", default="gpt", help="workload name (default gpt)")
     p.add_argument("--configs", default=None,
                    help="comma-separated config names (default: the device's default set; with --nproc: "
-                        + ", ".join(DP_ROWS) + ")")
+                        + ", ".join(DEFAULT_CONFIGS) + "; also "
+                        + ", ".join(n for n in DP_ROWS if n not in DEFAULT_CONFIGS) + ")")
     p.add_argument("--steps", type=int, default=None, help=f"measured steps per row (default {DEFAULT_STEPS}, quick {QUICK_STEPS})")
     p.add_argument("--warmup", type=int, default=None, help=f"untimed warm-up steps (default {DEFAULT_WARMUP}, quick {QUICK_WARMUP})")
     p.add_argument("--rounds", type=int, default=None,
