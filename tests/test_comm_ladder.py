@@ -123,8 +123,8 @@ def test_shape_link_script_ships_as_package_data():
 def test_error_with_rich_markup_is_printed_literally_after_the_results_are_written(tmp_path, monkeypatch):
     from rich.console import Console
 
-    monkeypatch.setattr(ladder, "_run_job", lambda spec, *a: {"status": "error", "error": "boom [/] [red]x",
-                                                             "job_seconds": 0.0})
+    monkeypatch.setattr(ladder, "_run_job", lambda spec, *a, **k: {"status": "error", "error": "boom [/] [red]x",
+                                                                  "job_seconds": 0.0})
     console = Console(file=io.StringIO(), width=200)
     doc = run_dp_ladder(configs=["ddp"], quick=True, precision="fp32", out_dir=tmp_path, console=console)
     assert json.loads((tmp_path / "dp_results.json").read_text()) == doc
@@ -132,9 +132,38 @@ def test_error_with_rich_markup_is_printed_literally_after_the_results_are_writt
     assert "boom [/] [red]x" in console.file.getvalue()  # escaped, so neither a MarkupError nor red
 
 
+def test_rounds_alternate_the_job_order_and_pool_their_steps(tmp_path, monkeypatch):
+    from rich.console import Console
+
+    calls = []
+
+    def fake_job(spec, nproc, link, workdir, timeout, tag=""):
+        calls.append((spec.row, spec.steps, tag))
+        return {"status": "error", "error": "stop here", "job_seconds": 0.0} if spec.row == "ddp+bf16" else \
+            {"status": "ok", "step_seconds": [1.0] * spec.steps, "val_loss": 5.0, "job_seconds": 1.0,
+             "items_per_step": 8, "unit": "tokens", "world_size": 2, "wire_bytes": 100, "parameters": 10,
+             "gradient_bytes": 40}
+
+    monkeypatch.setattr(ladder, "_run_job", fake_job)
+    doc = run_dp_ladder(configs=["ddp", "ddp+bf16"], steps=5, rounds=3, quick=True, precision="fp32",
+                        out_dir=tmp_path, console=Console(file=io.StringIO(), width=200))
+    # round 1 in ladder order, round 2 reversed, round 3 in order again; 5 steps split 2, 2, 1;
+    # the failed row is not run again
+    assert calls == [("local", 2, ".r0"), ("ddp", 2, ".r0"), ("ddp+bf16", 2, ".r0"),
+                     ("ddp", 2, ".r1"), ("local", 2, ".r1"),
+                     ("local", 1, ".r2"), ("ddp", 1, ".r2")]
+    ddp = doc["configs"]["ddp"]
+    assert ddp["rounds"] == 3 and len(ddp["step_seconds"]) == 5 and len(ddp["per_round"]) == 3
+    assert ddp["metrics"]["wire_bytes_per_step"]["median"] == 300 / 5  # counters summed, per pooled step
+    assert doc["configs"]["ddp+bf16"]["status"] == "error"
+    with pytest.raises(ConfigError, match="rounds=6 is more than steps=5"):
+        run_dp_ladder(configs=["ddp"], steps=5, rounds=6, out_dir=tmp_path)
+
+
 @pytest.mark.dist
 def test_quick_ladder_end_to_end(tmp_path):
-    doc = run_dp_ladder(configs=["ddp", "ddp+accumulate4"], steps=2, warmup=2, quick=True, out_dir=tmp_path)
+    doc = run_dp_ladder(configs=["ddp", "ddp+accumulate4"], steps=2, rounds=2, warmup=2, quick=True,
+                        out_dir=tmp_path)
     assert json.loads((tmp_path / "dp_results.json").read_text()) == doc
     from turbotrain.precision.policy import resolve_precision
 
@@ -154,6 +183,19 @@ def test_quick_ladder_end_to_end(tmp_path):
     assert acc["micro_batches_per_step"] == 4 and acc["local_job"] == "local+accumulate4"
     assert acc["metrics"]["exchange_rounds_per_step"]["median"] == 1  # one exchange per 4 micro-batches
     assert doc["configs"]["ddp"]["metrics"]["val_loss_delta"]["median"] == 0.0
+    ddp = doc["configs"]["ddp"]
+    assert ddp["rounds"] == 2 and [len(r["step_seconds"]) for r in ddp["per_round"]] == [1, 1]
+    assert ddp["per_round"][0]["val_loss"] == ddp["per_round"][1]["val_loss"]  # the same run, repeated
+    wire = ddp["metrics"]["wire_bytes_per_step"]
+    if ladder.namespace_problem() is None:
+        # Counted off the job's own loopback: a 2-rank ring all-reduce moves each gradient byte
+        # twice in all (2(n-1) buffers), plus TCP headers and the barriers; the local job sends ~0.
+        assert wire["source"] == "loopback counter"
+        assert 2 * ddp["gradient_bytes"] <= wire["median"] <= 1.1 * 2 * ddp["gradient_bytes"]
+        assert row["local"]["wire_bytes"] < 0.01 * ddp["wire_bytes"]
+    else:
+        assert wire["source"] == "DDP hook payload, as a ring"
+    assert ddp["metrics"]["link_floor"]["median"] == pytest.approx(wire["median"] * 8 / 1e9)
 
 
 @pytest.mark.slow

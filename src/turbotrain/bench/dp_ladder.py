@@ -1,6 +1,7 @@
 """The data-parallel benchmark ladder: what each way of exchanging gradients costs, and what it loses.
 
-    turbotrain bench --nproc 2 [--link 1gbit] [--quick] [--configs ddp,fsdp,tp+sp] [--max-state-bytes 30M]
+    turbotrain bench --nproc 2 [--link 1gbit] [--quick] [--configs ddp,fsdp,tp+sp] [--steps 30 --rounds 2]
+                     [--max-state-bytes 30M]
     >>> from turbotrain.bench.dp_ladder import DP_ROWS
     >>> list(DP_ROWS)
     ['ddp', 'ddp+accumulate4', 'ddp+bf16', 'ddp+powersgd', 'ddp+onebit', 'fsdp', 'fsdp+ckpt', 'tp', 'tp+sp']
@@ -30,18 +31,32 @@ Choices, and why:
   enough to be interesting. The ratio of gradient bytes to compute hardly depends on width (both
   scale with the parameters), only on tokens per step, so a smaller model would not be more
   honest, just faster.
-* **6 measured + 8 untimed steps** per job, every row the same 14 optimizer steps so the val
-  losses compare after the same steps. PowerSGD and 1-bit Adam start compressing at step 7
+* **30 measured steps a row, in 2 rounds of alternating order.** Every job is run ``rounds`` times
+  (default 2): round 0 runs the jobs in ladder order, round 1 in reverse, and so on, so a slow
+  stretch of the machine lands on rows at both ends of the ladder rather than on whichever ran
+  then. Each run trains the same 8 untimed + 15 timed optimizer steps from the same seed (so the
+  val losses compare after the same steps, and repeat exactly), and a row's figures pool its
+  rounds' timed steps: the median, its p20-p80 band, and 95% bootstrap intervals of its step time
+  over ddp's and of its comm overhead (``bench.stats.bootstrap_ratio_ci``, step ``i`` of one row
+  paired with step ``i`` of the other within a round). The raw per-step times of every round are
+  in the JSON. PowerSGD and 1-bit Adam start compressing at step 7
   (DataParallelConfig.warmup_steps = warmup - 1), so the last untimed step absorbs their
   first-compression set-up and every timed step is compressed. Why 8 and not 3: 1-bit Adam freezes
   Adam's variance when compression starts, and frozen after 2 steps it is too noisy: the quick gpt
-  at bf16-master went 8.9 -> 333 -> NaN within three compressed steps; after 8 it trains. At ~1.6 s
-  a step on the shared 2-core box and ~12 s of torchrun start-up per job, the 7 jobs (5 dp,
-  2 local; the two accumulate jobs do 4 micro-batches a step) take ~6 minutes per link.
-  14 steps is a short run: the val-loss deltas say whether compression hurts early training, not
-  whether it converges to the same place.
-* ``quick=True``: the bench's quick gpt (d=128, 2 layers, T=64, B=4), 3 + 8 steps, 2 val batches:
-  start-up dominates, ~90 s for the whole ladder; a smoke test, not a benchmark.
+  at bf16-master went 8.9 -> 333 -> NaN within three compressed steps; after 8 it trains. 8 of 23
+  steps (35%) is also within the 1-bit Adam paper's practice of an uncompressed stretch of about
+  15-25% of training. 23 steps is a short run: the val-loss deltas say whether compression hurts
+  early training, not whether it converges to the same place (the 300-step slow test does that).
+* **Bytes on the wire, every row.** Where network namespaces can be made (root, ``ip``), every job
+  runs in a private one (``shape-link.sh``, unshaped for plain loopback), and the worker reads its
+  loopback's transmit counter around the timed steps: the job's whole traffic, whatever protocol
+  sent it (DDP hooks, 1-bit Adam, FSDP2, DTensor). Reported per optimizer step, as a fraction of
+  what a ring all-reduce of FP32 gradients moves (2(n-1) x 4 bytes a parameter), and as the
+  **floor** it puts under a step on the ladder's link (1 Gbit/s on plain loopback: the time those
+  bytes need at that rate, all ranks sharing the one shaped egress). Without namespaces only DDP's
+  hooks can say what they sent (their payload, converted as for a ring) and the sharded rows show —.
+* ``quick=True``: the bench's quick gpt (d=128, 2 layers, T=64, B=4), 3 + 8 steps in one round,
+  2 val batches: start-up dominates, ~90 s for the whole ladder; a smoke test, not a benchmark.
 * **Sharded rows** (``fsdp``, ``fsdp+ckpt``, ``tp``, ``tp+sp``; by name only, not in the default
   ladder) train through ``Engine(Config(parallel=ParallelConfig(...)))`` instead of DDP: FSDP2 over every rank
   (``dp_shard=-1``, 2 on two ranks), the same with activation checkpointing, tensor parallel over
@@ -90,12 +105,16 @@ from .dp_worker import LadderSpec
 __all__ = [
     "DP_ROWS", "DpRow", "BASELINE_ROW", "DEFAULT_STEPS", "DEFAULT_WARMUP", "QUICK_STEPS", "QUICK_WARMUP",
     "run_dp_ladder", "comm_overhead", "parse_rate", "link_floor_seconds", "check_link",
-    "row_metrics", "shape_link_script", "DEFAULT_PRECISION", "local_key", "DEFAULT_CONFIGS",
+    "row_metrics", "shape_link_script", "DEFAULT_PRECISION", "local_key", "DEFAULT_CONFIGS", "DEFAULT_ROUNDS",
+    "QUICK_ROUNDS", "namespace_problem", "pool_rounds", "FLOOR_RATE",
 ]
 
-SCHEMA = "turbotrain-dp-bench/1"
-DEFAULT_STEPS, DEFAULT_WARMUP = 6, 8
-QUICK_STEPS, QUICK_WARMUP = 3, 8
+SCHEMA = "turbotrain-dp-bench/2"
+#: measured steps per row (over all its rounds), untimed steps per job, rounds
+DEFAULT_STEPS, DEFAULT_WARMUP, DEFAULT_ROUNDS = 30, 8, 2
+QUICK_STEPS, QUICK_WARMUP, QUICK_ROUNDS = 3, 8, 1
+#: the rate plain-loopback ladders state each row's wire floor at
+FLOOR_RATE = "1gbit"
 #: 'auto' is resolved once by the ladder (bf16-master where bf16 matmul is native, fp32 elsewhere) and
 #: the concrete mode is what every job runs and the header records.
 DEFAULT_PRECISION = "auto"
@@ -201,6 +220,22 @@ def check_link(rate: str) -> None:
                             "network namespaces (needs CAP_NET_ADMIN); drop --link to measure on plain loopback")
 
 
+def namespace_problem() -> str | None:
+    """Why jobs cannot run in a private network namespace here (None: they can), found by trying one."""
+    if os.geteuid() != 0:
+        return "not root"
+    if shutil.which("ip") is None:
+        return "no ip command (iproute2)"
+    try:
+        probe = subprocess.run(["bash", str(shape_link_script()), "--no-shape", "--", "true"], capture_output=True,
+                               text=True, timeout=60)
+    except (HardwareError, OSError, subprocess.TimeoutExpired) as exc:
+        return str(exc)
+    if probe.returncode != 0:
+        return (probe.stderr.strip().splitlines() or ["no output"])[-1]
+    return None
+
+
 def _job_env(threads: int) -> dict:
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
@@ -209,15 +244,18 @@ def _job_env(threads: int) -> dict:
     return env
 
 
-def _run_job(spec: LadderSpec, nproc: int, link: str | None, workdir: Path, timeout: float) -> dict:
-    """One torchrun job (inside the shaped namespace when ``link``); a result dict whatever happens."""
-    name = spec.row.replace("+", "_")
+def _run_job(spec: LadderSpec, nproc: int, link: str | None, workdir: Path, timeout: float, tag: str = "") -> dict:
+    """One torchrun job (in a namespace of its own when ``spec.count_wire``, shaped when ``link``); a
+    result dict whatever happens."""
+    name = spec.row.replace("+", "_") + tag
     spec_path, result_path, log_path = (workdir / f"{name}.{k}" for k in ("spec.json", "result.json", "log"))
     spec_path.write_text(json.dumps(asdict(spec)))
     # one node: the rendezvous store listens on 127.0.0.1 only, on a port it picked itself
     cmd = torchrun_command(nproc, "turbotrain.bench.dp_worker", [str(spec_path), str(result_path)], module=True)
     if link:
         cmd = ["bash", str(shape_link_script()), "--rate", link, "--", *cmd]
+    elif spec.count_wire:
+        cmd = ["bash", str(shape_link_script()), "--no-shape", "--", *cmd]
     t0 = time.perf_counter()
     with open(log_path, "w") as log:
         # own session, so a timeout ends torchrun, its ranks and the namespace wrapper together
@@ -253,16 +291,30 @@ def _metric(unit: str, median, p20=None, p80=None) -> dict:
     return {"unit": unit, "median": median, "p20": p20, "p80": p80}
 
 
-def row_metrics(dp: dict, local: dict | None, baseline: dict | None, *, tp: int = 1) -> dict[str, dict]:
+def _wire_per_step(dp: dict, steps: int) -> tuple[float | None, str | None]:
+    """(bytes on the wire per optimizer step, how they were counted), or (None, None)."""
+    if dp.get("wire_bytes") is not None:
+        return dp["wire_bytes"] / steps, "loopback counter"
+    if dp.get("hook_bytes"):  # a rank's hook payload; a ring moves 2(n-1)/n of it per rank, n ranks
+        n = dp["world_size"]
+        return 2 * (n - 1) * dp["hook_bytes"] / steps, "DDP hook payload, as a ring"
+    return None, None
+
+
+def row_metrics(dp: dict, local: dict | None, baseline: dict | None, *, tp: int = 1,
+                floor_rate: str = FLOOR_RATE) -> dict[str, dict]:
     """Every metric of one row from its dp result, its local result and the baseline row's dp result.
 
     ``tp``: the row's tensor-parallel degree; its local step is compared as split over that many ranks.
+    ``floor_rate``: the link rate the row's wire floor is stated at. Intervals are 95% bootstrap
+    intervals over the pooled per-step times (``ci``: [low, high]).
     """
-    from .stats import relative_change, throughput
+    from .stats import bootstrap_ratio_ci, relative_change, throughput
 
-    t = _summary(dp["step_seconds"])
+    times = dp["step_seconds"]
+    t = _summary(times)
     items, unit = dp["items_per_step"], dp["unit"]
-    steps = len(dp["step_seconds"])
+    steps = len(times)
     out = {
         "step_time": _metric("s", t["median"], t["p20"], t["p80"]),
         # a rate's p20 comes from the time's p80
@@ -273,22 +325,67 @@ def row_metrics(dp: dict, local: dict | None, baseline: dict | None, *, tp: int 
     if dp.get("exchange_rounds") is not None:  # sharded rows: their collectives are not counted
         out["exchange_rounds_per_step"] = _metric("collectives/optimizer step", dp["exchange_rounds"] / steps)
         out["collective_calls_per_step"] = _metric("calls/optimizer step", dp["collective_calls"] / steps)
+    wire, source = _wire_per_step(dp, steps)
+    if wire is not None:
+        n = dp["world_size"]
+        out["wire_bytes_per_step"] = {**_metric("bytes/optimizer step, all ranks", wire), "source": source}
+        if dp.get("parameters"):
+            out["wire_vs_fp32_ring"] = _metric("x a ring all-reduce of fp32 gradients",
+                                               wire / (2 * (n - 1) * 4 * dp["parameters"]))
+        out["link_floor"] = _metric(f"s/optimizer step at {floor_rate}", wire * 8 / parse_rate(floor_rate))
     if dp.get("state_bytes_peak") is not None:  # parameters + gradients + optimizer state, and the whole process
         out["state_bytes_peak"] = _metric("bytes, largest rank", dp["state_bytes_peak"])
         out["rss_peak"] = _metric("bytes, largest rank", dp["rss_peak_bytes"])
     if local is not None and local.get("status") == "ok":
         lt = _summary(local["step_seconds"])
         out["local_step_time"] = _metric("s", lt["median"], lt["p20"], lt["p80"])
-        out["comm_overhead"] = _metric("fraction of dp step", comm_overhead(t["median"], lt["median"] / tp))
+        # overhead = 1 - (local / tp) / dp, so its interval comes from that of local / dp
+        lo, hi = bootstrap_ratio_ci(local["step_seconds"], times)
+        out["comm_overhead"] = {**_metric("fraction of dp step", comm_overhead(t["median"], lt["median"] / tp)),
+                                "ci": [1 - hi / tp, 1 - lo / tp]}
     if baseline is not None and baseline.get("status") == "ok":
         if None not in (dp["val_loss"], baseline["val_loss"]):
             out["val_loss_delta"] = _metric("%", relative_change(dp["val_loss"], baseline["val_loss"]))
         base_t = _summary(baseline["step_seconds"])["median"]
-        out["step_time_vs_ddp"] = _metric(f"x {BASELINE_ROW}", t["median"] / base_t)
+        out["step_time_vs_ddp"] = {**_metric(f"x {BASELINE_ROW}", t["median"] / base_t),
+                                   "ci": list(bootstrap_ratio_ci(times, baseline["step_seconds"]))}
         if dp.get("state_bytes_peak") and baseline.get("state_bytes_peak"):
             ratio = dp["state_bytes_peak"] / baseline["state_bytes_peak"]
             out["state_bytes_vs_ddp"] = _metric(f"x {BASELINE_ROW}", ratio)
     return out
+
+
+_SUMMED = ("exchange_rounds", "collective_calls", "aux_collectives", "hook_bytes", "wire_bytes", "job_seconds")
+
+
+def pool_rounds(runs: list[dict]) -> dict:
+    """One row's result from its rounds' job results: timed steps pooled, counters summed, rounds kept.
+
+    A failed round fails the row (its error is the first failure's).
+
+    >>> r = {"status": "ok", "step_seconds": [1.0, 2.0], "val_loss": 3.0, "wire_bytes": 10, "job_seconds": 5.0}
+    >>> pooled = pool_rounds([r, {**r, "step_seconds": [4.0, 5.0]}])
+    >>> pooled["step_seconds"], pooled["wire_bytes"], pooled["rounds"]
+    ([1.0, 2.0, 4.0, 5.0], 20, 2)
+    """
+    failed = [r for r in runs if r.get("status") != "ok"]
+    per_round = [{k: r.get(k) for k in ("step_seconds", "warmup_step_seconds", "val_loss", "wire_bytes",
+                                        "hook_bytes", "job_seconds", "status", "error")} for r in runs]
+    if failed:
+        return {**failed[0], "rounds": len(runs), "per_round": per_round}
+    pooled = {**runs[0], "rounds": len(runs), "per_round": per_round,
+              "step_seconds": [x for r in runs for x in r["step_seconds"]],
+              "warmup_step_seconds": [r.get("warmup_step_seconds") for r in runs],
+              "diverged": any(r.get("diverged") for r in runs),
+              "replicas_in_sync": None if any(r.get("replicas_in_sync") is None for r in runs)
+              else all(r["replicas_in_sync"] for r in runs)}
+    for key in _SUMMED:
+        values = [r.get(key) for r in runs]
+        pooled[key] = None if any(v is None for v in values) else sum(values)
+    for key in ("state_bytes_peak", "rss_peak_bytes"):
+        if all(r.get(key) is not None for r in runs):
+            pooled[key] = max(r[key] for r in runs)
+    return pooled
 
 
 def local_key(row: DpRow) -> str:
@@ -319,19 +416,32 @@ def _job_order(names: list[str]) -> list[tuple[str, str]]:
     return jobs
 
 
+def _ci(m: dict, metric: str, pattern: str, scale: float = 1.0) -> str:
+    value = m.get(metric)
+    if value is None or value.get("median") is None:
+        return "—"
+    text = pattern.format(value["median"] * scale)
+    if value.get("ci"):
+        lo, hi = value["ci"]
+        text += f" ({pattern.format(lo * scale)}-{pattern.format(hi * scale)})"
+    return text
+
+
 def _print_table(console, doc: dict) -> None:
     from rich.table import Table
 
-    link = doc["header"]["link"]
-    table = Table(title=f"data-parallel ladder: {doc['header']['workload']['name']}, "
-                        f"{doc['header']['nproc']} ranks, link {link}")
-    for col in ("config", "step ms (p20-p80)", "local step ms", "comm overhead", "tokens/s", "val loss",
-                "Δval vs ddp", "collectives/step", "state MiB/rank", "× ddp", "peak RSS MiB"):
+    header = doc["header"]
+    link, floor_rate = header["link"], header["floor_rate"]
+    table = Table(title=f"data-parallel ladder: {header['workload']['name']}, {header['nproc']} ranks, link {link}, "
+                        f"{header['steps']} measured steps a row in {header['rounds']} alternating rounds "
+                        f"(intervals: 95% bootstrap)")
+    for col in ("config", "step ms (p20-p80)", "× ddp (95%)", "local ms", "overhead (95%)", "wire MB/step",
+                "× fp32 ring", f"floor ms {floor_rate}", "val loss", "Δval", "state MiB (× ddp)", "RSS MiB"):
         table.add_column(col, justify="left" if col == "config" else "right")
     for name, row in doc["configs"].items():
         m = row.get("metrics")
         if m is None:
-            table.add_row(name, f"[red]error[/]: {escape(str(row.get('error', '?')))}", *[""] * 9)
+            table.add_row(name, f"[red]error[/]: {escape(str(row.get('error', '?')))}", *[""] * 10)
             continue
 
         def get(metric, pattern, scale=1.0):
@@ -341,10 +451,12 @@ def _print_table(console, doc: dict) -> None:
         st = m["step_time"]
         table.add_row(
             name, f"{st['median'] * 1e3:.0f} ({st['p20'] * 1e3:.0f}-{st['p80'] * 1e3:.0f})",
-            get("local_step_time", "{:.0f}", 1e3), get("comm_overhead", "{:.1%}"),
-            get("throughput", "{:,.0f}"), get("val_loss", "{:.4f}"), get("val_loss_delta", "{:+.2f}%"),
-            get("exchange_rounds_per_step", "{:g}"), get("state_bytes_peak", "{:.2f}", 2**-20),
-            get("state_bytes_vs_ddp", "{:.2f}"), get("rss_peak", "{:.0f}", 2**-20))
+            _ci(m, "step_time_vs_ddp", "{:.2f}"), get("local_step_time", "{:.0f}", 1e3),
+            _ci(m, "comm_overhead", "{:.0%}"), get("wire_bytes_per_step", "{:.1f}", 1e-6),
+            get("wire_vs_fp32_ring", "{:.3f}"), get("link_floor", "{:.0f}", 1e3),
+            get("val_loss", "{:.4f}"), get("val_loss_delta", "{:+.2f}%"),
+            f"{get('state_bytes_peak', '{:.1f}', 2**-20)} ({get('state_bytes_vs_ddp', '{:.2f}')})",
+            get("rss_peak", "{:.0f}", 2**-20))
     console.print(table)
 
 
@@ -362,7 +474,7 @@ def _target_note(doc: dict) -> str:
 
 
 def _header(workload: str, overrides: dict, names, nproc, steps, warmup, precision, link, quick, seed, val_batches,
-            max_state_bytes=None):
+            max_state_bytes=None, rounds=1, wire_problem=None):
     from ..hardware import detect
     from ..workloads import get_workload
 
@@ -374,10 +486,17 @@ def _header(workload: str, overrides: dict, names, nproc, steps, warmup, precisi
         "workload": {"name": wl.name, "unit": wl.unit, "items_per_batch": wl.items_per_batch,
                      "settings": wl.settings, "overrides": overrides},
         "configs": list(names), "nproc": nproc, "backend": "gloo", "threads_per_rank": 1,
-        "steps": steps, "warmup": warmup, "comm_warmup": warmup - 1, "seed": seed, "val_batches": val_batches,
-        "precision": precision, "link": link or "loopback", "quick": quick, "hardware": hw,
+        "steps": steps, "rounds": rounds, "warmup": warmup, "comm_warmup": warmup - 1, "seed": seed,
+        "val_batches": val_batches, "precision": precision, "link": link or "loopback", "floor_rate": link or FLOOR_RATE,
+        "quick": quick, "hardware": hw,
         "versions": hw["versions"], "baseline": BASELINE_ROW,
-        "step_time": "per optimizer step (all its micro-batches), slowest rank per step, warm-up excluded",
+        "step_time": "per optimizer step (all its micro-batches), slowest rank per step, warm-up excluded; "
+                     "a row's timed steps pooled over its rounds (jobs run in ladder order, then reversed, ...)",
+        "intervals": "95% percentile bootstrap over the pooled per-step times (bench.stats.bootstrap_ratio_ci)",
+        "wire_bytes": "every byte the job's ranks sent each other per optimizer step, read off the loopback "
+                      "transmit counter of the job's own network namespace"
+                      if wire_problem is None else
+                      f"no network namespace here ({wire_problem}): DDP hook payload only, as a ring would move it",
         "comm_overhead": "(median dp step - median local step / tp) / median dp step; local = same Engine, "
                          "same per-rank batches, no data_parallel, ranks side by side; tp = 1 but in "
                          "tensor-parallel rows",
@@ -392,9 +511,11 @@ def _header(workload: str, overrides: dict, names, nproc, steps, warmup, precisi
 def run_dp_ladder(workload: str = "gpt", nproc: int = 2, steps: int | None = None, configs=None,
                   link: str | None = None, out_dir: str | Path = "bench-out", quick: bool = False,
                   overrides: dict | None = None, *, warmup: int | None = None, precision: str = DEFAULT_PRECISION,
-                  seed: int = 0, timeout: float = 900.0, max_state_bytes: int | None = None, console=None) -> dict:
+                  seed: int = 0, timeout: float = 900.0, max_state_bytes: int | None = None, rounds: int | None = None,
+                  console=None) -> dict:
     """Run the ladder, print the environment line and table, write ``out_dir/dp_results.json``; returns it.
 
+    ``steps``: measured steps a row, spread over ``rounds`` runs of every job in alternating order.
     ``max_state_bytes``: every dp job stops when a rank's parameters + gradients + optimizer state
     pass it (see the module docstring); None, no cap.
     """
@@ -416,11 +537,17 @@ def run_dp_ladder(workload: str = "gpt", nproc: int = 2, steps: int | None = Non
     if max_state_bytes is not None:
         check_positive("max_state_bytes", max_state_bytes)
     steps = steps or (QUICK_STEPS if quick else DEFAULT_STEPS)
+    rounds = rounds or (QUICK_ROUNDS if quick else DEFAULT_ROUNDS)
+    check_positive("rounds", rounds)
+    if rounds > steps:
+        raise ConfigError(f"rounds={rounds} is more than steps={steps}: every round needs a measured step; "
+                          f"lower --rounds or raise --steps")
     warmup = warmup if warmup is not None else (QUICK_WARMUP if quick else DEFAULT_WARMUP)
     if warmup < 2:
         raise ConfigError(f"warmup={warmup} must be >= 2: compression starts at step warmup-1, untimed")
     if link:
         check_link(link)
+    wire_problem = None if link else namespace_problem()
     precision_note = None
     if precision == "auto":
         from ..precision.policy import resolve_precision
@@ -430,36 +557,49 @@ def run_dp_ladder(workload: str = "gpt", nproc: int = 2, steps: int | None = Non
     overrides = {**(QUICK_OVERRIDES.get(workload, {}) if quick else {}), **(overrides or {})}
     val_batches = 2 if quick else 4
     doc_header = _header(workload, overrides, names, nproc, steps, warmup, precision, link, quick, seed, val_batches,
-                         max_state_bytes)
+                         max_state_bytes, rounds, wire_problem)
     hw = doc_header["hardware"]
     console.print(f"[bold]environment[/] cpu {hw['cpu_model']} ({hw['cpu_count']} logical CPUs), {nproc} ranks x 1 "
                   f"thread, gloo on {'loopback shaped to ' + link if link else 'plain loopback'}; "
                   + ", ".join(f"{k} {v}" for k, v in hw["versions"].items() if v))
     console.print(f"[bold]workload[/] {workload} {doc_header['workload']['settings']}, precision {precision}, "
-                  f"{steps} measured + {warmup} warm-up steps")
+                  f"{steps} measured steps a row in {rounds} alternating round(s), {warmup} warm-up steps a job")
+    if wire_problem is not None:
+        doc_header["notes"].append(f"bytes on the wire: no network namespace ({wire_problem}), so only DDP's hooks "
+                                   "report what they send; sharded rows show —")
     if quick:
         doc_header["notes"].append("quick mode: tiny model, few steps; a smoke test, not a benchmark")
     if precision_note:
         doc_header["notes"].append(precision_note)
         console.print(f"[yellow]note[/] {escape(precision_note)}")
 
-    common = dict(workload=workload, overrides=overrides, precision=precision, steps=steps, warmup=warmup,
-                  comm_warmup=warmup - 1, seed=seed, val_batches=val_batches, threads=1)
-    results: dict[str, dict] = {}
+    from .interleave import split_steps
+
+    common = dict(workload=workload, overrides=overrides, precision=precision, warmup=warmup,
+                  comm_warmup=warmup - 1, seed=seed, val_batches=val_batches, threads=1,
+                  count_wire=bool(link) or wire_problem is None)
+    runs: dict[str, list[dict]] = {}
+    jobs = _job_order(names)
     with tempfile.TemporaryDirectory(prefix="turbotrain-dp-") as tmp:
-        for kind, name in _job_order(names):
-            if kind == "local":
-                spec = LadderSpec(row=name, mode="local", **_local_settings(name), **common)
-            else:
-                row = DP_ROWS[name]
-                spec = LadderSpec(row=name, mode="dp", compression=row.compression, accumulate=row.accumulate,
-                                  parallel=row.parallel, checkpoint=row.checkpoint, max_state_bytes=max_state_bytes,
-                                  **common)
-            with console.status(f"{kind} job {name} ..."):
-                results[name] = _run_job(spec, nproc, link, Path(tmp), timeout)
-            r = results[name]
-            state = f"{_summary(r['step_seconds'])['median'] * 1e3:.0f} ms/step" if r["status"] == "ok" else r["error"]
-            console.print(f"  {kind:5} {name:<20} {escape(str(state))}  [dim]({r['job_seconds']:.0f} s)[/]")
+        for r, round_steps in enumerate(split_steps(steps, rounds)):
+            for kind, name in (jobs if r % 2 == 0 else jobs[::-1]):
+                if runs.get(name) and runs[name][-1]["status"] != "ok":
+                    continue  # a row that failed once has failed: do not spend another round on it
+                if kind == "local":
+                    spec = LadderSpec(row=name, mode="local", steps=round_steps, **_local_settings(name), **common)
+                else:
+                    row = DP_ROWS[name]
+                    spec = LadderSpec(row=name, mode="dp", steps=round_steps, compression=row.compression,
+                                      accumulate=row.accumulate, parallel=row.parallel, checkpoint=row.checkpoint,
+                                      max_state_bytes=max_state_bytes, **common)
+                with console.status(f"round {r + 1}/{rounds}: {kind} job {name} ..."):
+                    result = _run_job(spec, nproc, link, Path(tmp), timeout, tag=f".r{r}")
+                runs.setdefault(name, []).append(result)
+                ok = result["status"] == "ok"
+                state = f"{_summary(result['step_seconds'])['median'] * 1e3:.0f} ms/step" if ok else result["error"]
+                console.print(f"  r{r + 1} {kind:5} {name:<20} {escape(str(state))}  "
+                              f"[dim]({result['job_seconds']:.0f} s)[/]")
+    results = {name: pool_rounds(row_runs) for name, row_runs in runs.items()}
     doc = _build_doc(doc_header, names, results)
     # the results first: whatever the terminal does with the table, the measurements are kept
     out.mkdir(parents=True, exist_ok=True)
@@ -491,16 +631,17 @@ def _build_doc(header: dict, names: list[str], results: dict) -> dict:
                 header["notes"].append(f"{name}: the ranks' weights differ after training (replicas out of sync)")
             if local is not None and local.get("status") != "ok":
                 header["notes"].append(f"{name}: its local job failed ({local.get('error')}), so no overhead")
-            detail["metrics"] = row_metrics(dp, local, baseline, tp=row.tp)
+            detail["metrics"] = row_metrics(dp, local, baseline, tp=row.tp, floor_rate=header["floor_rate"])
             rows += [{**common, "config": name, "metric": metric, **value}
                      for metric, value in detail["metrics"].items()]
         configs[name] = detail
-    if header["link"] != "loopback" and baseline is not None and baseline.get("status") == "ok":
-        floor = link_floor_seconds(baseline["gradient_bytes"], baseline["world_size"], header["link"])
+    if baseline is not None and baseline.get("status") == "ok":
+        floor = link_floor_seconds(baseline["gradient_bytes"], baseline["world_size"], header["floor_rate"])
         header["link_floor_seconds"] = floor
         header["notes"].append(
-            f"an uncompressed exchange of {baseline['gradient_bytes'] / 1e6:.1f} MB takes >= {floor * 1e3:.0f} ms on "
-            f"{header['link']} (2(n-1) buffers through one shaped loopback)")
+            f"a ring all-reduce of the {baseline['gradient_bytes'] / 1e6:.1f} MB of gradients takes >= "
+            f"{floor * 1e3:.0f} ms at {header['floor_rate']} (2(n-1) buffers through one shaped loopback); each "
+            "row's floor column is the same arithmetic on the bytes it was measured to send")
     doc = {"schema": SCHEMA, "header": header, "rows": rows, "configs": configs}
     header["notes"].append(_target_note(doc))
     if header.get("max_state_bytes") is not None:

@@ -21,6 +21,14 @@ gradient buckets. Beside it, the whole process's resident high-water mark (``ru_
 torch libraries, the corpus, activations, everything). With ``max_state_bytes`` the state bytes
 are a cap, enforced: at every such check the largest rank's figure is agreed across the ranks and
 every rank stops with StateCapExceeded if it is over, before the next forward.
+
+Bytes on the wire (``count_wire``, when the job runs in a network namespace of its own, as the
+ladder arranges): rank 0 reads the namespace loopback's transmit counter (``/proc/net/dev``) after a
+barrier at the start of the measured steps and after one at their end. Every byte any rank sends
+to another crosses that one interface once, so the difference over the measured steps is the
+job's whole traffic, whatever sent it: DDP's hooks, 1-bit Adam's collectives, FSDP2's all-gathers
+and reduce-scatters, DTensor's, TCP headers included. It needs no cooperation from the code
+measured, which is the point: only DDP's hooks count their own payload (``hook_bytes``).
 """
 
 from __future__ import annotations
@@ -41,7 +49,7 @@ from ..errors import ConfigError, TurbotrainError
 from .worker import error_result, write_result
 
 __all__ = ["LadderSpec", "MODES", "run_rank", "main", "state_bytes", "StateMeter", "StateCapExceeded",
-           "rss_peak_bytes"]
+           "rss_peak_bytes", "loopback_tx_bytes"]
 
 MODES = ("dp", "local")
 
@@ -78,6 +86,8 @@ class LadderSpec:
     """Config.checkpoint (activation checkpointing), in dp and local jobs alike."""
     max_state_bytes: int | None = None
     """Cap on any rank's parameter + gradient + optimizer-state bytes; over it the job stops (dp jobs)."""
+    count_wire: bool = False
+    """Read the loopback's transmit counter around the measured steps (the job has a namespace of its own)."""
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -171,6 +181,30 @@ class StateMeter:
             handle.remove()
 
 
+def loopback_tx_bytes(path: str = "/proc/net/dev") -> int | None:
+    """Bytes sent so far on the loopback of this process's network namespace; None if unreadable.
+
+    >>> isinstance(loopback_tx_bytes(), (int, type(None)))
+    True
+    """
+    try:
+        for line in Path(path).read_text().splitlines():
+            name, sep, counters = line.partition(":")
+            if sep and name.strip() == "lo":
+                return int(counters.split()[8])  # 8 receive columns, then transmit bytes
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _wire_mark(spec: LadderSpec) -> int | None:
+    """The loopback counter with every rank at the same point (a barrier first); None unless counting."""
+    if not spec.count_wire:
+        return None
+    dist.barrier()
+    return loopback_tx_bytes()
+
+
 def _batches(workload, split: str, count: int, seed: int) -> list:
     stream = workload.batches(split=split, seed=seed, device="cpu")
     return [next(stream) for _ in range(count)]
@@ -196,9 +230,9 @@ def _build_engine(spec: LadderSpec, workload):
     return Engine(model, optimizer, workload.loss_fn, config=config)
 
 
-def _counters(engine) -> tuple[int, int, int]:
+def _counters(engine) -> tuple[int, int, int, int]:
     c = engine.comm
-    return (c.collective_count, c.collective_calls, c.aux_calls) if c is not None else (0, 0, 0)
+    return (c.collective_count, c.collective_calls, c.aux_calls, c.bytes_sent) if c is not None else (0, 0, 0, 0)
 
 
 def _finite_or_none(value: float) -> float | None:
@@ -251,14 +285,17 @@ def run_rank(spec: LadderSpec) -> dict | None:
     times, losses = [], []
     start_counts = _counters(engine)
     dist.barrier()
+    wire_start = None
     for step in range(total_steps):
         if step == spec.warmup:
             start_counts = _counters(engine)
+            wire_start = _wire_mark(spec)
         t0 = time.perf_counter()
         step_losses = [engine.step(train[step * spec.accumulate + m]).loss for m in range(spec.accumulate)]
         times.append(time.perf_counter() - t0)
         losses.append(float(torch.stack(step_losses).float().mean()))
     end_counts = _counters(engine)
+    wire_end = _wire_mark(spec)
     meter.close()
 
     # Per step, the slowest rank (the ranks' clocks are compared after the loop, off the clock).
@@ -278,9 +315,10 @@ def run_rank(spec: LadderSpec) -> dict | None:
     if rank != 0:
         return None
     finite = all(math.isfinite(c) for c in checksums) and all(math.isfinite(x) for x in losses)
-    rounds, calls, aux = (e - s for e, s in zip(end_counts, start_counts))
+    rounds, calls, aux, hook_bytes = (e - s for e, s in zip(end_counts, start_counts))
     if sharded:  # FSDP's and DTensor's collectives are not counted (CommState counts DDP's hook only)
-        rounds = calls = aux = None
+        rounds = calls = aux = hook_bytes = None
+    wire = None if None in (wire_start, wire_end) else wire_end - wire_start
     return {
         "status": "ok",
         "step_seconds": measured.tolist(),
@@ -300,6 +338,8 @@ def run_rank(spec: LadderSpec) -> dict | None:
         "exchange_rounds": rounds,
         "collective_calls": calls,
         "aux_collectives": aux,
+        "hook_bytes": hook_bytes,
+        "wire_bytes": wire,
         # In dp mode the replicas must agree exactly; in local mode they are expected to differ.
         "replicas_in_sync": (max(checksums) == min(checksums)) if finite else None,
         "optimizer": type(engine.optimizer).__name__,

@@ -61,7 +61,7 @@ def _dp_bench(args) -> int:
     doc = run_dp_ladder(  # checks --out and every name before any job
         workload=args.workload, nproc=args.nproc, steps=args.steps, configs=_names(args.configs), link=args.link,
         out_dir=args.out, quick=args.quick, overrides=parse_overrides(args.set), warmup=args.warmup,
-        precision=args.dp_precision, seed=args.seed,
+        precision=args.dp_precision, seed=args.seed, rounds=args.rounds,
         timeout=args.timeout if args.timeout is not None else 900.0, max_state_bytes=cap)
     return _exit_code(doc["configs"], strict=args.strict)
 
@@ -100,11 +100,13 @@ def add_parsers(subparsers, parents=()) -> None:
                    help="comma-separated config names (default: the device's default set; with --nproc: "
                         + ", ".join(DEFAULT_CONFIGS) + "; also "
                         + ", ".join(n for n in DP_ROWS if n not in DEFAULT_CONFIGS) + ")")
-    p.add_argument("--steps", type=int, default=None, help=f"measured steps per row (default {DEFAULT_STEPS}, quick {QUICK_STEPS})")
+    p.add_argument("--steps", type=int, default=None,
+                   help=f"measured steps per row (default {DEFAULT_STEPS}, quick {QUICK_STEPS}; with --nproc 30 over all rounds)")
     p.add_argument("--warmup", type=int, default=None, help=f"untimed warm-up steps (default {DEFAULT_WARMUP}, quick {QUICK_WARMUP})")
     p.add_argument("--rounds", type=int, default=None,
                    help=f"interleaved rounds the measured steps are spread over (default {DEFAULT_ROUNDS}, "
-                        f"quick {QUICK_ROUNDS}; at most --steps)")
+                        f"quick {QUICK_ROUNDS}; at most --steps; with --nproc: every job run that many times in "
+                        "alternating order, default 2)")
     p.add_argument("--reference", default=None,
                    help="the row 'vs best peer' ratios are taken against (default torch-compile-step, or its "
                         "fp32 twin where bf16 is slow; added to the ladder if not in it)")
