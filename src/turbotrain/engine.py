@@ -364,14 +364,27 @@ class Engine:
             t.reset_grads()
 
     def _check_finite(self, loss: torch.Tensor, batch: Batch) -> None:
-        """One fused finiteness test of the loss and gradients; on failure, name the origin module."""
+        """One fused finiteness test of the loss and gradients, agreed across ranks; on failure, name the origin."""
         from . import diagnose
 
         scaler = self.precision.scaler
         # Scaled fp16 gradients may overflow legitimately: the loss scaler skips those steps.
         grads = [] if scaler else [p.grad for p in self.module.parameters()]
-        if not bool(diagnose.nonfinite_flag(loss, grads)):
+        flag = diagnose.nonfinite_flag(loss, grads)  # local: a sharded gradient is read as this rank's shard
+        sharded = getattr(self.plan, "sharded", False)
+        # Another rank may see what this one does not (its rows, its shards): all ranks stop, or none.
+        if sharded:
+            from .parallel import agree_found_inf, nonfinite_error
+
+            flag = agree_found_inf(flag)
+        elif self.comm is not None:
+            flag = self.comm.agree_found_inf(flag)
+        if not bool(flag):
             return
+        if sharded:  # the replay below would be a collective the ranks run apart: each rank's findings instead
+            error = nonfinite_error(self.module, loss, batch, check_grads=scaler is None, step=self.steps)
+            self._drop_gradients()
+            raise error
         self._drop_gradients()  # the replay below makes its own
         scale = scaler.scale if scaler else 1.0
         if batch.kind == "tuple" and self.loss_fn is not None:

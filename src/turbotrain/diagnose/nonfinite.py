@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from .causes import Diagnosis, FirstNonfiniteOp, diagnose_op, module_finite_in_fp32
-from .stats import TensorStats, all_finite, floating_tensors, map_floating, split_batch
+from .stats import TensorStats, all_finite, floating_tensors, local_shard, map_floating, split_batch
 
 __all__ = ["NonFiniteReport", "find_nonfinite", "nonfinite_flag"]
 
@@ -36,16 +36,18 @@ def nonfinite_flag(loss: torch.Tensor, grads=None) -> torch.Tensor:
 
     The gradients are reduced with one foreach max-|x| per (device, dtype) group, so the cost is
     a handful of kernels whatever the parameter count; max-|x| (not a sum) cannot overflow on its own.
+    A DTensor (a sharded gradient) is read as this rank's shard: the flag is local, and a sharded
+    caller agrees it across ranks (the Engine MAX-reduces it).
 
     >>> import torch
     >>> bool(nonfinite_flag(torch.tensor(1.0), [torch.ones(3), torch.tensor([0.0, float("nan")])]))
     True
     """
-    values = [loss.detach().reshape(-1).float()]
+    values = [local_shard(loss.detach()).reshape(-1).float()]
     groups: dict = {}
     for g in grads or ():
         if g is not None:
-            groups.setdefault((g.device, g.dtype), []).append(g.detach())
+            groups.setdefault((g.device, g.dtype), []).append(local_shard(g.detach()))
     for group in groups.values():
         maxima = torch._foreach_norm(group, float("inf"))
         values.append(torch.stack(maxima).float().to(loss.device, non_blocking=True))

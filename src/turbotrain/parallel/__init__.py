@@ -8,6 +8,7 @@ policies, and fits them to the Engine's transform protocol. See docs/parallel.md
 from .checkpoint import EXTRA_FILE, consolidate, load_sharded, run_consolidate, save_sharded
 from .clipping import clip_grad_norm_, grad_norm
 from .config import MESH_DIMS, ParallelConfig, ResolvedDegrees
+from .nonfinite import nonfinite_error
 from .tp_plans import LAYOUTS, TPLayout, find_layout, register_layout
 from .transform import ParallelTransform, agree_found_inf, build_mesh, data_parallel_mesh, mixed_precision_policies
 
@@ -16,7 +17,7 @@ __all__ = [
     "ParallelConfig", "ResolvedDegrees", "MESH_DIMS",
     # the transform and its pieces
     "ParallelTransform", "build_mesh", "data_parallel_mesh", "mixed_precision_policies", "agree_found_inf",
-    "grad_norm", "clip_grad_norm_",
+    "grad_norm", "clip_grad_norm_", "nonfinite_error",
     # tensor-parallel plans
     "TPLayout", "LAYOUTS", "register_layout", "find_layout",
     # sharded checkpoints

@@ -30,11 +30,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
 from torch import nn
 
 from ..errors import ConfigError
 
-__all__ = ["TPLayout", "LAYOUTS", "register_layout", "find_layout", "check_model", "block_plan", "root_plan"]
+__all__ = ["TPLayout", "LAYOUTS", "register_layout", "find_layout", "check_model", "block_plan", "root_plan",
+           "hand_over_own_tensors", "embedding_outside_compile"]
 
 
 @dataclass(frozen=True)
@@ -183,6 +185,50 @@ def root_plan(layout: TPLayout, sequence_parallel: bool) -> dict:
     else:
         plan[layout.head] = Colwise(output_layouts=Replicate())
     return plan
+
+
+class _OwnTensor(torch.autograd.Function):
+    """``x``'s values as a tensor that is not a view (same storage and version counter, no copy)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def _own_tensor_output(module, args, output):
+    return _OwnTensor.apply(output) if isinstance(output, torch.Tensor) and output._base is not None else output
+
+
+def embedding_outside_compile(model: nn.Module, layout: TPLayout) -> None:
+    """Run the vocabulary-parallel embedding (its lookup, masking and all-reduce) outside torch.compile.
+
+    Compiling it fails in torch 2.13 ("Mixing fake modes NYI" at the embedding: the MaskPartial
+    placement keeps its mask between Dynamo's and AOTAutograd's fake modes; torchtitan issue 534),
+    so a compiled forward breaks its graph there and compiles the rest. Without compile nothing changes.
+    """
+    embedding = model.get_submodule(layout.embedding)
+    # _call_impl, not forward: the plan's layout changes (and the mask's reduction) are hooks around forward.
+    embedding._call_impl = torch.compiler.disable(embedding._call_impl)
+
+
+def hand_over_own_tensors(model: nn.Module, layout: TPLayout, sequence_parallel: bool) -> None:
+    """Make the plain tensors the plan hands out at the model's end (the logits, with sequence
+    parallel also the final norm's output) tensors of their own rather than views.
+
+    ``DTensor.to_local()`` returns a view of the local tensor, and FSDP2 warns ("returned a view
+    tensor") when a module it wraps returns one, because an in-place op on a view would drop the
+    pre-backward hook FSDP puts on it: the root returns the head's logits, and in low precision the
+    final norm is an FSDP group of its own. A tensor that is not a view keeps that hook through an
+    in-place op; sharing storage and version counter, it costs no copy and autograd still sees
+    every write.
+    """
+    names = [layout.head, *([layout.final_norm] if sequence_parallel else [])]
+    for name in names:
+        model.get_submodule(name).register_forward_hook(_own_tensor_output)
 
 
 # -- the built-in families ---------------------------------------------------------------------

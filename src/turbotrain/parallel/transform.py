@@ -170,6 +170,8 @@ class ParallelTransform(Transform):
             if layout.local_heads is not None:
                 layout.local_heads(block, tp)
         parallelize_module(model, tp_mesh, tp_plans.root_plan(layout, sp))
+        tp_plans.hand_over_own_tensors(model, layout, sp)
+        tp_plans.embedding_outside_compile(model, layout)
         self.layout = layout
         plan.notes.append(f"parallel: tensor parallel over {tp} ranks with the {layout.family} plan"
                           + (" and sequence parallel" if sp else "") + "; logits gathered for the loss")
