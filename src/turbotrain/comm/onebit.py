@@ -24,10 +24,12 @@ What is not compressed, and why:
 * elements whose variance is exactly 0 at the freeze (embedding rows no warm-up batch touched):
   a frozen v = 0 would turn the first compressed momentum (every element gets +-scale) into an
   update of scale / eps ~ 1e4 x lr. They stay on **plain Adam from exact gradients**: step()
-  all-reduces exactly those elements' gradients (one small fp32 all_reduce), their momentum and
-  variance follow Adam, and the compressed exchange treats them as absent (zero in the buffers,
-  outside every scale). The mask is fixed at the freeze; its cost is 4 bytes per masked element
-  per step, which is why a warm-up long enough to touch most rows matters (see ``warmup_for``).
+  averages exactly those elements' gradients, their momentum and variance follow Adam, and the
+  compressed exchange treats them as absent (zero in the buffers, outside every scale). The
+  mask is fixed at the freeze. Most masked elements are rows of tokens that no rank sees in a
+  given step either, whose gradient is exactly 0, so each rank sends only its blocks of 32
+  masked values that hold a nonzero, with a block id (4 bytes per 128), by one all_gather;
+  when more are touched than that saves, one fp32 all_reduce of them all (4 bytes each).
 
 Steps after the freeze are clipped, element by element, at the largest step Adam itself could
 take with the same betas (``adam_step_bound``: |m_hat| / sqrt(v_hat) <= (1 - b1) /
@@ -40,17 +42,25 @@ could take, so it leaves alone every element whose frozen variance is still a fa
 
 Bytes: after warm-up a rank hands its collectives (N/8 + N/(8n)) bytes of signs plus a few
 scales for N compressed elements (n ranks), against 4N for an fp32 all-reduce: 1/32 + 1/(32n)
-of it, e.g. 1/21 at n = 2 and -> 1/32 as n grows, plus the exact tensors. ``HookState.bytes_sent``
-counts it from the tensors actually passed.
+of it, e.g. 1/21 at n = 2 and -> 1/32 as n grows, plus the exact tensors and the masked blocks a
+step touched. ``HookState.bytes_sent`` counts it from the tensors actually passed.
 
-Warm-up: the paper warms up for 15-25% of the run for BERT pre-training (the variance has to be
-measured on enough data to be worth freezing). ``warmup_for(total_steps)`` is that rule of
-thumb, max(100, 20% of the steps); without ``total_steps`` the default is 1000 steps.
+Warm-up, chosen the way the paper does: uncompressed Adam until its variance is stable, then
+freeze. Tang et al. warm up for about 15-25% of the steps in BERT pre-training (the variance has
+to be measured on enough data to be worth freezing). ``warmup_for(total_steps)`` is that rule of
+thumb, max(100, 20% of the steps); without ``total_steps`` the default is 1000 steps. The
+fraction is not enough on its own: from random weights the gradients shrink ~10x over the first
+hundred steps, and a variance frozen then under-steps everything after (the 300-step slow test
+warms up for 60 steps, 20%, after 200 AdamW steps). The DP ladder's rows are short timing runs
+whose warm-up (stated in turbotrain.bench.dp_ladder) is far below this: their val loss says what
+compression does to early training, not whether 1-bit Adam converges.
 
 Host work per step is a fixed number of passes over the flat buffers plus one small op per
 tensor: the layout (segments, scales slots, masks) is computed once at the freeze, signs are
-packed straight from a comparison with 0 and unpacked with one table look-up, and scales are
-applied per tensor slice, never gathered per element.
+packed straight from a comparison with 0 (one multiply per 8 signs) and unpacked with one table
+look-up, scales are applied per tensor slice, never gathered per element, the errors' masked
+positions are zeroed once per step instead of after every use, and masked elements are handled
+as whole rows wherever the mask holds whole rows (``_Masked``).
 
 >>> import torch
 >>> w = torch.nn.Parameter(torch.ones(3))
@@ -85,6 +95,8 @@ MIN_COMPRESS_NUMEL = 4096
 _ALIGN = 32  # elements per server chunk are a multiple of 32: whole bytes of signs, 4-byte aligned scales
 #: byte value -> its 8 signs as +-1 (bit i set = element i is >= 0), for one-look-up unpacking
 _SIGN_TABLE = ((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1).float() * 2 - 1
+#: v * this moves bit 8i of v (the low bit of byte i) to bit 56 + i, for i = 0..7
+_GATHER_BYTE_BITS = 0x0102040810204080
 
 
 def adam_step_bound(betas) -> float:
@@ -100,20 +112,22 @@ def warmup_for(total_steps: int, fraction: float = 0.2, minimum: int = 100) -> i
     return max(minimum, math.ceil(fraction * total_steps))
 
 
-def pack_signs(x: torch.Tensor, out: torch.Tensor | None = None, bits: torch.Tensor | None = None) -> torch.Tensor:
+def pack_signs(x: torch.Tensor, out: torch.Tensor | None = None, bits: torch.Tensor | None = None,
+               scratch: torch.Tensor | None = None) -> torch.Tensor:
     """Eight signs per byte, element i of each 8 in bit i (set where x >= 0); ``x.numel() % 8 == 0``.
 
     Packed straight from the comparison with 0, no +-1 tensor made: the 8 comparison bytes of a
-    group are read as one (little-endian) int64 and folded onto its low byte in three shift-ors
-    (bit 8i moves to bit i). ``out``: uint8 holding x.numel() / 8 bytes, of any shape (e.g. the sign columns of a
-    send buffer); ``bits``: a reusable bool buffer of x's size.
+    group (0 or 1 each) are read as one little-endian int64 v, and v * 0x0102040810204080 carries
+    byte i's bit to bit 56 + i with no other term reaching bits 56-63 (the 64 partial products
+    land on distinct bits, so nothing carries), so one multiply and one shift pack the byte.
+    ``out``: uint8 holding x.numel() / 8 bytes, of any shape (e.g. the sign columns of a send
+    buffer); ``bits``: a reusable bool buffer of x's size; ``scratch``: a reusable int64 buffer of
+    x.numel() / 8 elements.
     """
     bits = torch.ge(x.reshape(-1), 0, out=bits.reshape(-1) if bits is not None else None)
     v = bits.view(torch.uint8).view(torch.int64)
-    folded = v | (v >> 7)
-    folded |= folded >> 14
-    folded |= folded >> 28
-    folded &= 0xFF
+    folded = torch.mul(v, _GATHER_BYTE_BITS, out=scratch)
+    folded.bitwise_right_shift_(56).bitwise_and_(0xFF)  # the shift is arithmetic: drop the sign's copies
     if out is None:
         return folded.to(torch.uint8)
     out.copy_(folded.view(out.shape))
@@ -252,7 +266,7 @@ class OneBitCompressor:
         part of the all_gather); 0 in one process, where nothing is sent."""
         self._layout: _Layout | None = None
         self._key = None
-        self._signs = self._bits = None
+        self._signs = self._bits = self._fold = None
         self.bind(group)
 
     def bind(self, group=None) -> None:
@@ -288,11 +302,14 @@ class OneBitCompressor:
         # reused every step: on CPU a fresh 4N-byte tensor per step costs its page faults
         self._signs = torch.empty(padded, device=device)
         self._bits = torch.empty(padded, dtype=torch.bool, device=device)
+        self._fold = torch.empty(padded // 8, dtype=torch.int64, device=device)
         return padded
 
     def allreduce_(self, buf: torch.Tensor) -> torch.Tensor:
         """In place: ``buf[:total]`` (this rank's values) becomes the compressed mean, identical on
-        every rank; masked positions become 0, the padding holds nothing of use."""
+        every rank. Masked positions and the padding hold nothing of use: the caller puts its exact
+        values back (``exchange`` zeroes them). The errors' masked positions are don't-cares too:
+        each is zeroed after the add that would read it, so no pass resets them after use."""
         lay = self._layout
         n, sb = self.world, lay.sign_bytes
         tensors = lay.tensors
@@ -303,12 +320,10 @@ class OneBitCompressor:
             w.index_fill_(0, lay.mask, 0.0)
         scales = _piece_scales(w, tensors, lay.inv_sqrt_counts)
         send = torch.empty(n, lay.row_bytes, dtype=torch.uint8, device=w.device)
-        pack_signs(w, out=send[:, :sb], bits=self._bits)
+        pack_signs(w, out=send[:, :sb], bits=self._bits, scratch=self._fold)
         slot_scales = torch.cat([scales, scales.new_zeros(1)])[lay.slot_tensor]
         send[:, sb:].view(torch.float32).copy_(slot_scales)
         _subtract_signs_(w, unpack_signs(send[:, :sb], out=self._signs), tensors, scales)
-        if lay.mask is not None:
-            w.index_fill_(0, lay.mask, 0.0)
         recv = self._all_to_all(send)
 
         # Server for chunk `rank`: average the n decompressed chunks, compensate, compress again.
@@ -320,13 +335,11 @@ class OneBitCompressor:
         if lay.my_mask is not None:
             z.index_fill_(0, lay.my_mask, 0.0)
         reply = torch.zeros(lay.row_bytes, dtype=torch.uint8, device=z.device)
-        pack_signs(z, out=reply[:sb], bits=self._bits[:lay.chunk])
+        pack_signs(z, out=reply[:sb], bits=self._bits[:lay.chunk], scratch=self._fold[:lay.chunk // 8])
         if lay.my_segments:
             server_scales = _piece_scales(z, lay.my_segments, lay.my_inv_sqrt_counts)
             reply[sb:sb + 4 * len(lay.my_segments)].view(torch.float32).copy_(server_scales)
             _subtract_signs_(z, unpack_signs(reply[:sb], out=self._signs[:lay.chunk]), lay.my_segments, server_scales)
-            if lay.my_mask is not None:
-                z.index_fill_(0, lay.my_mask, 0.0)
         gathered = self._all_gather(reply).view(n, lay.row_bytes)
 
         # Everyone: decode all chunks straight into buf, one scale per tensor piece.
@@ -334,16 +347,18 @@ class OneBitCompressor:
         scales_back = gathered[:, sb:].view(torch.float32)
         for j, s, a, b in lay.segments:
             buf[a:b].mul_(scales_back[j, s])
-        if lay.mask is not None:
-            buf.index_fill_(0, lay.mask, 0.0)
         return buf
 
     def exchange(self, flat: torch.Tensor, sizes: list[int], mask: torch.Tensor | None = None) -> torch.Tensor:
-        """The compressed mean of ``flat`` (laid out as tensors of ``sizes``) over the group, as a new tensor."""
+        """The compressed mean of ``flat`` (laid out as tensors of ``sizes``) over the group, as a new
+        tensor; positions in ``mask`` come back 0."""
         padded = self.configure(sizes, mask, flat.device)
         buf = torch.zeros(padded, device=flat.device)
         buf[:flat.numel()] = flat
-        return self.allreduce_(buf)[:flat.numel()].clone()
+        self.allreduce_(buf)
+        if self._layout.mask is not None:
+            buf.index_fill_(0, self._layout.mask, 0.0)
+        return buf[:flat.numel()].clone()
 
     def _count(self, nbytes: int) -> None:
         self.calls += 1
@@ -355,7 +370,7 @@ class OneBitCompressor:
         if self.world == 1:
             return send
         recv = torch.empty_like(send)
-        self._count(send.numel())
+        self._count(send.numel() * send.element_size())
         dist.all_to_all_single(recv, send, group=self.group)
         return recv
 
@@ -363,7 +378,7 @@ class OneBitCompressor:
         if self.world == 1:
             return send
         out = send.new_empty(self.world * send.numel())
-        self._count(send.numel())
+        self._count(send.numel() * send.element_size())
         all_gather_flat(out, send, group=self.group)
         return out
 
@@ -388,6 +403,82 @@ def _starts(sizes):
 
 
 @dataclass
+class _Masked:
+    """One parameter's elements with v = 0 at the freeze: whole rows of its (shape[0], rest) view
+    (an embedding's unseen tokens) plus single elements. Row-wise index ops on the rows run ~10x
+    faster on CPU than per-element ones on the same count, and masks are mostly whole rows."""
+
+    rows: torch.Tensor
+    elems: torch.Tensor
+    """Flat indices of the masked elements outside ``rows``."""
+    cols: int
+
+    @classmethod
+    def of(cls, flat_index: torch.Tensor, shape: torch.Size) -> "_Masked":
+        cols = shape.numel() // shape[0]
+        row_of = flat_index // cols
+        full = torch.bincount(row_of, minlength=shape[0]) == cols
+        return cls(torch.nonzero(full).reshape(-1), flat_index[~full[row_of]], cols)
+
+    @property
+    def numel(self) -> int:
+        return self.rows.numel() * self.cols + self.elems.numel()
+
+    def take(self, t: torch.Tensor, out: torch.Tensor) -> None:
+        """``out`` (numel values) <- t's masked elements: the rows' first, then the single ones."""
+        k = self.rows.numel() * self.cols
+        torch.index_select(t.view(-1, self.cols), 0, self.rows, out=out[:k].view(-1, self.cols))
+        torch.index_select(t.view(-1), 0, self.elems, out=out[k:])
+
+    def put_(self, t: torch.Tensor, values: torch.Tensor) -> None:
+        """t's masked elements <- ``values`` (in ``take``'s order)."""
+        k = self.rows.numel() * self.cols
+        t.view(-1, self.cols).index_copy_(0, self.rows, values[:k].view(-1, self.cols))
+        t.view(-1).index_copy_(0, self.elems, values[k:])
+
+    def taken(self, t: torch.Tensor) -> torch.Tensor:
+        out = t.new_empty(self.numel)
+        self.take(t, out)
+        return out
+
+
+_BLOCK = 32
+"""Masked gradients travel in blocks of 32 values with one int32 block id: 3% over the values."""
+
+
+def _sparse_or_dense_sum(values: torch.Tensor, size: int, comp: "OneBitCompressor") -> torch.Tensor:
+    """Sum over the group of ``values[:size]`` (fp32, zero-padded to a multiple of _BLOCK), in
+    place or as a new tensor.
+
+    Each rank sends only its blocks that hold a nonzero value, as (block id, 32 values) rows of one
+    all_gather, when that moves fewer bytes than a ring all_reduce would (n k (B + 1) < 2 N, with k
+    the most blocks any rank has); else one all_reduce. An embedding row no batch of the step
+    touched has an exactly zero gradient, so most masked blocks are skipped. Every rank sums the
+    gathered rows in rank order, so all get the same bits.
+    """
+    n = comp.world
+    blocks = values.view(-1, _BLOCK)
+    ids = torch.nonzero(blocks.ne(0).any(1)).reshape(-1)
+    counts = comp._all_gather(torch.tensor([ids.numel()], dtype=torch.int64, device=values.device)).tolist()
+    width = max(counts)
+    if width == 0:  # no rank touched any of them: the sum is 0, already in place
+        return values
+    if n * width * (_BLOCK + 1) >= 2 * size or blocks.shape[0] >= 2 ** 31:
+        comp._count(size * values.element_size())
+        dist.all_reduce(values[:size], group=comp.group)
+        return values
+    send = torch.zeros(width, _BLOCK + 1, dtype=torch.int32, device=values.device)
+    send[:ids.numel(), 0] = ids
+    send[:ids.numel(), 1:] = blocks.index_select(0, ids).view(torch.int32)
+    rows = comp._all_gather(send.view(-1)).view(n * width, _BLOCK + 1)
+    out = torch.zeros_like(blocks)
+    for r, k in enumerate(counts):
+        mine = rows[r * width:r * width + k]
+        out.index_add_(0, mine[:, 0].long(), mine[:, 1:].view(torch.float32))
+    return out.view(-1)
+
+
+@dataclass
 class _Flat:
     """The compressed parameters' momenta as views of one padded buffer the exchange works in."""
 
@@ -409,6 +500,10 @@ class OneBitAdam(torch.optim.Optimizer):
     ``warmup_for(total_steps)`` when ``total_steps`` is given, else ``DEFAULT_WARMUP_STEPS``.
     ``min_compress_numel``: tensors below it (and every 1-D tensor) are exchanged exactly.
     ``clip_updates``: after the freeze, clip each element's step at ``adam_step_bound(betas)`` x lr.
+
+    Memory: after the freeze it keeps the compressed tensors' frozen denominator sqrt(v_hat) + eps
+    (4 bytes per element) rather than recompute it every step, and the two error buffers (4 bytes
+    per element on the worker side, 4 / n on the server side).
     """
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
@@ -439,6 +534,9 @@ class OneBitAdam(torch.optim.Optimizer):
         self._exact_idx: dict[int, torch.Tensor] = {}
         """Parameter position -> flat indices of its elements with v = 0 at the freeze."""
         self._flat: _Flat | None = None
+        self._masks: dict | None = None
+        self._denoms: dict[int, tuple] = {}
+        """Parameter position -> (eps, sqrt(v_hat) + eps) of a compressed tensor after the freeze."""
 
     @property
     def compressing(self) -> bool:
@@ -476,9 +574,19 @@ class OneBitAdam(torch.optim.Optimizer):
                 idx = torch.nonzero(self._state(p)["exp_avg_sq"].reshape(-1) == 0).reshape(-1)
                 if idx.numel():
                     self._exact_idx[i] = idx
+        self._masks = None
+        self._denoms = {}
         masked = sum(t.numel() for t in self._exact_idx.values())
         if masked:
             logger.info("1-bit Adam: %d elements had v = 0 at the freeze; they stay on exact Adam", masked)
+
+    def _masked(self) -> dict:
+        """Parameter position -> its _Masked, built from ``_exact_idx`` on first use (and after a load)."""
+        if self._masks is None:
+            params = {i: p for i, _, p in self._params()}
+            self._masks = {i: _Masked.of(idx.to(params[i].device), params[i].shape)
+                           for i, idx in sorted(self._exact_idx.items())}
+        return self._masks
 
     def _flat_momentum(self) -> _Flat:
         """The compressed momenta as views of one buffer, rebuilt if someone replaced the state."""
@@ -516,8 +624,9 @@ class OneBitAdam(torch.optim.Optimizer):
         for i, _, p in self._params():
             g = p.grad if p.grad is not None else torch.zeros_like(self._state(p)["exp_avg"])
             grads[i] = (g.to_dense() if g.is_sparse else g).float().contiguous()
-        if compress and self._exact_idx:
-            self._average_masked(grads)
+        masks = self._masked() if compress else {}
+        if masks:
+            self._average_masked(grads, masks)
         entries = []
         for i, group, p in self._params():
             st = self._state(p)
@@ -525,28 +634,30 @@ class OneBitAdam(torch.optim.Optimizer):
             g = grads[i]
             frozen = compress and self.compresses(p)
             st["exp_avg"].mul_(beta1).add_(g, alpha=1 - beta1)
+            running_v = None
             if not frozen:
                 st["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
-            elif i in self._exact_idx:  # masked elements: exact mean gradient, plain Adam
-                idx = self._exact_idx[i].to(g.device)
-                v = st["exp_avg_sq"].view(-1)
-                gm = g.reshape(-1).index_select(0, idx)
-                v.index_copy_(0, idx, v.index_select(0, idx).mul_(beta2).addcmul_(gm, gm, value=1 - beta2))
-            entries.append((i, group, p, st, frozen))
-        if compress and any(frozen for *_, frozen in entries):
+            elif i in masks:  # masked elements: exact mean gradient, plain Adam
+                gm, running_v = masks[i].taken(g), masks[i].taken(st["exp_avg_sq"])
+                running_v.mul_(beta2).addcmul_(gm, gm, value=1 - beta2)
+                masks[i].put_(st["exp_avg_sq"], running_v)
+            entries.append((i, group, p, st, frozen, running_v))
+        if compress and any(e[4] for e in entries):
             flat = self._flat_momentum()
-            kept = flat.buffer.index_select(0, flat.mask) if flat.mask is not None else None
+            # the exchange leaves nothing of use at masked positions: their exact momenta go back after it
+            kept = [(masks[i], st["exp_avg"], masks[i].taken(st["exp_avg"]))
+                    for i, _, _, st, frozen, _ in entries if frozen and i in masks]
             self.compressor.allreduce_(flat.buffer)
-            if kept is not None:
-                flat.buffer.index_copy_(0, flat.mask, kept)
-        for i, group, p, st, frozen in entries:
+            for mask, momentum, values in kept:
+                mask.put_(momentum, values)
+        for i, group, p, st, frozen, running_v in entries:
             beta1, beta2 = group["betas"]
-            var_steps = self.warmup_steps if frozen else t
-            denom = st["exp_avg_sq"].sqrt().div_(math.sqrt(1 - beta2 ** var_steps)).add_(group["eps"])
-            if frozen and i in self._exact_idx:
-                idx = self._exact_idx[i].to(denom.device)
-                running = st["exp_avg_sq"].view(-1).index_select(0, idx).sqrt_().div_(math.sqrt(1 - beta2 ** t))
-                denom.view(-1).index_copy_(0, idx, running.add_(group["eps"]))
+            if frozen:
+                denom = self._frozen_denominator(i, st, beta2, group["eps"])
+            else:
+                denom = st["exp_avg_sq"].sqrt().div_(math.sqrt(1 - beta2 ** t)).add_(group["eps"])
+            if running_v is not None:
+                masks[i].put_(denom, running_v.sqrt_().div_(math.sqrt(1 - beta2 ** t)).add_(group["eps"]))
             if group["weight_decay"]:
                 p.mul_(1 - group["lr"] * group["weight_decay"])
             step_size = group["lr"] / (1 - beta1 ** t)
@@ -563,23 +674,33 @@ class OneBitAdam(torch.optim.Optimizer):
             self._freeze()
         return loss
 
-    def _average_masked(self, grads: dict) -> None:
-        """Replace the masked elements' local gradients by their mean over the group (one all_reduce).
+    def _frozen_denominator(self, i: int, st: dict, beta2: float, eps: float) -> torch.Tensor:
+        """sqrt(v_hat) + eps of a compressed tensor, computed once per freeze since v no longer
+        changes there (4 bytes per element kept, three passes a step saved); its masked elements
+        are overwritten every step with their running values."""
+        found = self._denoms.get(i)
+        if found is None or found[0] != eps:
+            denom = st["exp_avg_sq"].sqrt().div_(math.sqrt(1 - beta2 ** self.warmup_steps)).add_(eps)
+            self._denoms[i] = found = (eps, denom)
+        return found[1]
+
+    def _average_masked(self, grads: dict, masks: dict) -> None:
+        """Replace the masked elements' local gradients by their exact mean over the group.
 
         Done here rather than in the DDP hook because the hook sees the model's parameters, which
-        are not the optimizer's when the Engine keeps FP32 masters; it is a few elements, blocking.
+        are not the optimizer's when the Engine keeps FP32 masters. Blocking, and sparse where that
+        pays (``_sparse_or_dense_sum``): most masked rows are tokens no rank saw this step either.
         """
         comp = self.compressor
         if comp.world == 1:
             return
-        parts = [(grads[i].view(-1), idx.to(grads[i].device)) for i, idx in sorted(self._exact_idx.items())]
-        send = torch.cat([g.index_select(0, idx) for g, idx in parts]).div_(comp.world)
-        comp._count(send.numel() * send.element_size())
-        dist.all_reduce(send, group=comp.group)
-        at = 0
-        for g, idx in parts:
-            g.index_copy_(0, idx, send[at:at + idx.numel()])
-            at += idx.numel()
+        sizes = [m.numel for m in masks.values()]
+        local = grads[next(iter(masks))].new_zeros(math.ceil(sum(sizes) / _BLOCK) * _BLOCK)
+        for (i, m), at in zip(masks.items(), _starts(sizes)):
+            m.take(grads[i], local[at:at + m.numel])
+        mean = _sparse_or_dense_sum(local.div_(comp.world), sum(sizes), comp)
+        for (i, m), at in zip(masks.items(), _starts(sizes)):
+            m.put_(grads[i], mean[at:at + m.numel])
 
     # -- checkpoints ----------------------------------------------------------------------------
     def onebit_state_dict(self) -> dict:
@@ -593,7 +714,8 @@ class OneBitAdam(torch.optim.Optimizer):
         self._exact_idx = {int(i): t.clone() for i, t in sd.get("exact_idx", {}).items()}
         if "compressor" in sd:
             self.compressor.load_state_dict(sd["compressor"])
-        self._flat = None
+        self._flat = self._masks = None
+        self._denoms = {}
 
     def state_dict(self):
         sd = super().state_dict()

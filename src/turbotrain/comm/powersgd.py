@@ -18,6 +18,10 @@ and the error buffer of a shape group is one stacked tensor that doubles as the 
 gradient M + E, so no full-size temporary is made. The factors travel in the bucket's dtype when
 that is bf16 (bf16 gradients stay bf16 on the wire); fp16 buckets send fp32 factors, since a
 sum of products can leave fp16's range where the gradients themselves do not.
+
+Each phase is a named profiler range (``powersgd.p``: P and its launch, in the hook;
+``powersgd.q``: QR and Q's launch; ``powersgd.decompress``), so a torch.profiler trace shows
+where they run against backward: ``scripts/trace-powersgd.py`` writes one per rank.
 """
 
 # No `from __future__ import annotations`: DDP reads a comm hook's return annotation at run time.
@@ -26,6 +30,7 @@ import zlib
 from dataclasses import dataclass, field
 
 import torch
+from torch.profiler import record_function
 
 from .hooks import HookState, OrderedSecondPhase, allreduce_hook, completed
 
@@ -179,10 +184,15 @@ def powersgd_hook(state: PowerSGDState, bucket) -> torch.futures.Future[torch.Te
         return allreduce_hook(state, bucket)
     layout = state.layout(bucket)
     buffer = bucket.buffer()
-    n, device = state.world_size, buffer.device
     state.close_bucket(bucket)
     if not layout.phase1:
         return completed(buffer)
+    with record_function("powersgd.p"):
+        return _launch_p(state, layout, buffer)
+
+
+def _launch_p(state: PowerSGDState, layout: _BucketLayout, buffer: torch.Tensor) -> torch.futures.Future:
+    n, device = state.world_size, buffer.device
     wire = _factor_dtype(buffer.dtype)
     # Phase 1: the exact tensors (pre-divided, in the bucket's dtype) and P = (M + E) Q per group.
     phase1 = torch.empty(layout.phase1, dtype=wire if layout.groups else buffer.dtype, device=device)
@@ -213,6 +223,10 @@ def powersgd_hook(state: PowerSGDState, bucket) -> torch.futures.Future[torch.Te
         return first.then(only_dense)
 
     def phase2(values):
+        with record_function("powersgd.q"):
+            return launch_q(values)
+
+    def launch_q(values):
         # QR of the summed P (identical on every rank), Q_i = M_i^T P_hat, E_i = M_i - P_hat Q_i^T.
         summed = values[0]
         copy_dense(summed)
@@ -229,6 +243,10 @@ def powersgd_hook(state: PowerSGDState, bucket) -> torch.futures.Future[torch.Te
         return work.get_future().then(lambda fut: decompress(fut.value()[0], p_hats))
 
     def decompress(q_summed, p_hats):
+        with record_function("powersgd.decompress"):
+            return unpack(q_summed, p_hats)
+
+    def unpack(q_summed, p_hats):
         for g, p_hat in zip(layout.groups, p_hats):
             b = p_hat.shape[0]
             q_sum = q_summed[g.q_at:g.q_at + b * g.cols * g.r].view(b, g.cols, g.r).float()
