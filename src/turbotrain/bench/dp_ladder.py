@@ -4,7 +4,7 @@
                      [--max-state-bytes 30M]
     >>> from turbotrain.bench.dp_ladder import DP_ROWS
     >>> list(DP_ROWS)
-    ['ddp', 'ddp+accumulate4', 'ddp+bf16', 'ddp+powersgd', 'ddp+onebit', 'fsdp', 'fsdp+ckpt', 'tp', 'tp+sp']
+    ['ddp', 'ddp+accumulate4', 'ddp+bf16', 'ddp+powersgd', 'ddp+onebit', 'ddp+ps', 'fsdp', 'fsdp+ckpt', 'tp', 'tp+sp']
 
 Every row is one torchrun job (gloo, 127.0.0.1, one torch/OMP thread per rank) that trains the
 same workload through ``Engine(Config(data_parallel=...))``, and is paired with a *local* job: the
@@ -131,6 +131,8 @@ class DpRow:
     """ParallelConfig fields: train through Config(parallel=...) instead of DDP."""
     checkpoint: str | None = None
     """Config.checkpoint of the row (and of its local job)."""
+    strategy: str = "ring"
+    """DataParallelConfig.strategy: DDP's all-reduce, or the parameter-server exchange."""
 
     @property
     def tp(self) -> int:
@@ -143,6 +145,8 @@ DP_ROWS = {
     "ddp+bf16": DpRow("bf16", 1, "gradients cast to bf16 on the wire"),
     "ddp+powersgd": DpRow("powersgd", 1, "rank-4 PowerSGD with error feedback"),
     "ddp+onebit": DpRow("onebit", 1, "1-bit Adam: sign-compressed momentum after warm-up"),
+    "ddp+ps": DpRow(None, 1, "parameter server: each bucket reduced onto rank 0 and broadcast back",
+                    strategy="parameter_server"),
     "fsdp": DpRow(None, 1, "FSDP2 (ZeRO-3): parameters, gradients and Adam state sharded over every rank",
                   parallel={"dp_shard": -1}),
     "fsdp+ckpt": DpRow(None, 1, "FSDP2 with activation checkpointing of every block",
@@ -154,7 +158,7 @@ DP_ROWS = {
 }
 #: The row val-loss deltas are relative to: uncompressed, no accumulation.
 BASELINE_ROW = "ddp"
-#: What ``configs=None`` runs: the ways of exchanging DDP's gradients (the sharded rows are asked for by
+#: What ``configs=None`` runs: the ways of exchanging DDP's gradients, ring and parameter server (the sharded rows are asked for by
 #: name, so the default ladder stays the one the dated benchmarks/dp entries were made with).
 DEFAULT_CONFIGS = tuple(name for name, row in DP_ROWS.items() if row.parallel is None)
 
@@ -591,7 +595,7 @@ def run_dp_ladder(workload: str = "gpt", nproc: int = 2, steps: int | None = Non
                     row = DP_ROWS[name]
                     spec = LadderSpec(row=name, mode="dp", steps=round_steps, compression=row.compression,
                                       accumulate=row.accumulate, parallel=row.parallel, checkpoint=row.checkpoint,
-                                      max_state_bytes=max_state_bytes, **common)
+                                      strategy=row.strategy, max_state_bytes=max_state_bytes, **common)
                 with console.status(f"round {r + 1}/{rounds}: {kind} job {name} ..."):
                     result = _run_job(spec, nproc, link, Path(tmp), timeout, tag=f".r{r}")
                 runs.setdefault(name, []).append(result)

@@ -45,6 +45,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..diagnose.stats import local_shard
 from ..errors import ConfigError, TurbotrainError
 from .worker import error_result, write_result
 
@@ -67,6 +68,8 @@ class LadderSpec:
     """Workload settings changed from its defaults."""
     precision: str = "bf16-master"
     compression: str | None = None
+    strategy: str = "ring"
+    """DataParallelConfig.strategy of a dp job."""
     accumulate: int = 1
     comm_warmup: int = 2
     """DataParallelConfig.warmup_steps: uncompressed steps before PowerSGD / 1-bit start."""
@@ -112,10 +115,6 @@ class StateCapExceeded(TurbotrainError):
     """A rank's parameters, gradients and optimizer state outgrew LadderSpec.max_state_bytes."""
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t  # a DTensor's shard on this rank
-
-
 def state_bytes(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
     """Bytes of the parameters, gradients and optimizer state this rank holds right now.
 
@@ -132,7 +131,7 @@ def state_bytes(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> in
                *(v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor))]
     storages = {}
     for t in tensors:
-        storage = _local(t).untyped_storage()
+        storage = local_shard(t).untyped_storage()
         storages[(t.device.type, storage.data_ptr())] = storage.nbytes()
     return sum(storages.values())
 
@@ -218,7 +217,7 @@ def _build_engine(spec: LadderSpec, workload):
     model = workload.build_model()  # seeded by the workload: the same initial weights on every rank
     dp = None
     if spec.mode == "dp" and spec.parallel is None:
-        dp = DataParallelConfig(compression=spec.compression, warmup_steps=spec.comm_warmup,
+        dp = DataParallelConfig(compression=spec.compression, strategy=spec.strategy, warmup_steps=spec.comm_warmup,
                                 powersgd_rank=spec.powersgd_rank)
     config = Config(precision=spec.precision, accumulate=spec.accumulate, data_parallel=dp,
                     parallel=spec.parallel_config(), checkpoint=spec.checkpoint, device="cpu")
