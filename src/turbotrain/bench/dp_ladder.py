@@ -158,8 +158,8 @@ DP_ROWS = {
 }
 #: The row val-loss deltas are relative to: uncompressed, no accumulation.
 BASELINE_ROW = "ddp"
-#: What ``configs=None`` runs: the ways of exchanging DDP's gradients, ring and parameter server (the sharded rows are asked for by
-#: name, so the default ladder stays the one the dated benchmarks/dp entries were made with).
+#: What ``configs=None`` runs: the ways of exchanging DDP's gradients, ring and parameter server
+#: (the sharded rows are asked for by name: they answer another question, memory).
 DEFAULT_CONFIGS = tuple(name for name, row in DP_ROWS.items() if row.parallel is None)
 
 
