@@ -1,5 +1,7 @@
 import contextlib
+import doctest
 import json
+import os
 
 import pytest
 import torch
@@ -98,11 +100,17 @@ def test_cuda_bf16_native_asks_the_given_device_and_needs_cuda(monkeypatch):
     assert not hardware.cuda_bf16_native()
 
 
-def test_matmul_peak_counts_two_flops_per_multiply_add_and_caches(tmp_path, monkeypatch):
+def scripted_trials(monkeypatch, *per_layout):
+    """hardware.timed_trials returns the given per-call seconds, one list per call (layout)."""
+    script = iter(per_layout)
+    monkeypatch.setattr(hardware, "timed_trials", lambda fn, device, trials, trial_seconds, *a: list(next(script)))
+
+
+def test_matmul_peak_is_the_fastest_trial_of_either_layout_and_caches(tmp_path, monkeypatch):
     monkeypatch.setenv("TURBOTRAIN_CACHE", str(tmp_path))
     monkeypatch.delenv("TURBOTRAIN_REMEASURE", raising=False)
-    timings = iter([0.5, 0.7, 0.3, 0.25])  # two layouts per measurement; the faster one counts
-    monkeypatch.setattr(hardware, "_median_seconds", lambda fn, device, seconds: next(timings))
+    # the faster layout's fastest trial counts, not a median (a busy trial only slows the median)
+    scripted_trials(monkeypatch, [0.9, 0.5, 3.0], [0.7, 0.6, 0.8], [0.3, 0.4], [2.0, 0.25])
     n = 64
     assert measure_matmul_peak("fp32", "cpu", size=n) == 2 * n**3 / 0.5
     assert measure_matmul_peak(torch.float32, "cpu", size=n) == 2 * n**3 / 0.5  # from the cache
@@ -110,10 +118,16 @@ def test_matmul_peak_counts_two_flops_per_multiply_add_and_caches(tmp_path, monk
     assert (tmp_path / "peaks.json").exists()
 
 
+def test_timed_trials_reports_seconds_per_call_of_each_trial():
+    calls = []
+    trials = hardware.timed_trials(lambda: calls.append(1), "cpu", trials=3, trial_seconds=0.0)
+    assert len(trials) == 3 and all(t >= 0 for t in trials)
+    assert len(calls) == 2 + 3  # a warm-up call, a sizing call, then one call per trial (0 s to fill)
+
+
 def test_remeasure_env_forces_measurement(tmp_path, monkeypatch):
     monkeypatch.setenv("TURBOTRAIN_CACHE", str(tmp_path))
-    timings = iter([1.0, 1.5, 2.0, 2.5])
-    monkeypatch.setattr(hardware, "_median_seconds", lambda fn, device, seconds: next(timings))
+    scripted_trials(monkeypatch, [1.0], [1.5], [2.0], [2.5])
     first = measure_matmul_peak("bf16", "cpu", size=32)
     monkeypatch.setenv("TURBOTRAIN_REMEASURE", "1")
     assert measure_matmul_peak("bf16", "cpu", size=32) == first / 2
@@ -123,7 +137,7 @@ def test_peak_cache_is_per_cpu_feature_set(tmp_path, monkeypatch):
     # two machines with the same model name, one with native bf16 matmul, must not share a bf16 peak
     monkeypatch.setenv("TURBOTRAIN_CACHE", str(tmp_path))
     monkeypatch.delenv("TURBOTRAIN_REMEASURE", raising=False)
-    monkeypatch.setattr(hardware, "_median_seconds", lambda fn, device, seconds: 1.0)
+    monkeypatch.setattr(hardware, "timed_trials", lambda *a: [1.0])
     monkeypatch.setattr(hardware, "_cpuinfo", lambda: ("AMD EPYC", frozenset({"avx2", "avx512f", "avx512_bf16"})))
     measure_matmul_peak("bf16", "cpu", size=16)
     monkeypatch.setattr(hardware, "_cpuinfo", lambda: ("AMD EPYC", frozenset({"avx2"})))
@@ -155,11 +169,16 @@ def test_bad_dtype_and_device_raise():
             detect("cuda")
 
 
+def fast_measures(monkeypatch):
+    monkeypatch.setattr(hardware, "_median_seconds", lambda fn, device, seconds: 1e-3)
+    monkeypatch.setattr(hardware, "timed_trials", lambda *a: [1e-3])
+
+
 def test_env_cli_json(tmp_path, monkeypatch, capsys):
     from turbotrain.cli import main
 
     monkeypatch.setenv("TURBOTRAIN_CACHE", str(tmp_path))
-    monkeypatch.setattr(hardware, "_median_seconds", lambda fn, device, seconds: 1e-3)
+    fast_measures(monkeypatch)
     assert main(["env", "--json", "--device", "cpu"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert set(report["matmul_peak_flops"]) == {"fp32", "bf16", "fp16"}
@@ -171,9 +190,54 @@ def test_env_cli_text_names_precision_and_reason(tmp_path, monkeypatch, capsys):
     from turbotrain.cli import main
 
     monkeypatch.setenv("TURBOTRAIN_CACHE", str(tmp_path))
-    monkeypatch.setattr(hardware, "_median_seconds", lambda fn, device, seconds: 1e-3)
+    fast_measures(monkeypatch)
     assert main(["env", "--device", "cpu"]) == 0
     out = " ".join(capsys.readouterr().out.split())  # rich wraps long lines
     precision, reason = recommend_precision(detect("cpu"))
     assert f"recommended precision {precision}: {reason}" in out
     assert "matmul peak" in out and "bandwidth" in out
+
+
+def test_env_remeasure_drops_the_ladder_peak_cache(tmp_path, monkeypatch, capsys):
+    from turbotrain.bench.peak import CACHE_FILE
+    from turbotrain.cli import main
+
+    monkeypatch.setenv("TURBOTRAIN_CACHE", str(tmp_path))
+    fast_measures(monkeypatch)
+    (tmp_path / CACHE_FILE).write_text("{}")
+    assert main(["env", "--json", "--device", "cpu"]) == 0
+    assert (tmp_path / CACHE_FILE).exists()  # without --remeasure the ladder's cache stays
+    assert main(["env", "--json", "--device", "cpu", "--remeasure"]) == 0
+    assert not (tmp_path / CACHE_FILE).exists()
+
+
+def test_malloc_env_is_in_the_environment_report(tmp_path, monkeypatch):
+    monkeypatch.setenv("TURBOTRAIN_CACHE", str(tmp_path))
+    fast_measures(monkeypatch)
+    for key in hardware.TUNED_MALLOC_ENV:
+        monkeypatch.delenv(key, raising=False)
+    assert hardware.environment_report("cpu", dtypes=("fp32",))["malloc_env"] == {}
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "2")  # set by hand in the shell: recorded too
+    assert hardware.environment_report("cpu", dtypes=("fp32",))["malloc_env"] == {"MALLOC_ARENA_MAX": "2"}
+
+
+def test_bench_malloc_tuned_sets_what_every_worker_inherits(monkeypatch):
+    from turbotrain.bench import runner
+    from turbotrain.cli import main
+
+    for key in hardware.TUNED_MALLOC_ENV:
+        monkeypatch.delenv(key, raising=False)
+    seen = {}
+
+    def fake_ladder(settings, out):  # workers are started with the parent's environment (Popen's default)
+        seen.update(hardware.malloc_env())
+        return {"configs": {"row": {"status": "ok"}}}
+
+    monkeypatch.setattr(runner, "run_ladder", fake_ladder)
+    monkeypatch.setattr(os, "environ", os.environ.copy())  # the CLI's update stays inside this test
+    assert main(["bench", "--malloc-tuned", "--configs", "fp32-eager"]) == 0
+    assert seen == hardware.TUNED_MALLOC_ENV
+
+
+def test_docstring_examples_run():
+    assert doctest.testmod(hardware).failed == 0

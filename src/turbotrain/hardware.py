@@ -1,9 +1,11 @@
 """What this machine is, how fast it can multiply, and which precision to train in.
 
 The matmul peak measured here is the denominator of every MFU figure turbotrain prints, so it is
-measured the same way every time (square matmul, warm-up, median of repeats, 2 FLOPs per
-multiply-add) and cached per (device, dtype, torch version, CPU model, threads) so a benchmark does
-not pay for it again.
+measured the same way every time (square matmul in both operand layouts, warm-up, the *maximum*
+over timed trials, 2 FLOPs per multiply-add) and cached per (device, dtype, torch version, CPU
+model, threads) so a benchmark does not pay for it again. A maximum, because a median folds in
+whatever else the machine was doing, and a denominator that is too low makes every MFU too high.
+The benchmark ladder's peak (bench/peak.py) times its trials with the same :func:`timed_trials`.
 
 >>> info = detect("cpu")
 >>> precision, reason = recommend_precision(info)
@@ -17,6 +19,7 @@ import contextlib
 import functools
 import json
 import logging
+import math
 import os
 import platform
 import statistics
@@ -36,6 +39,7 @@ __all__ = [
     "HardwareInfo",
     "detect",
     "measure_matmul_peak",
+    "timed_trials",
     "measure_memory_bandwidth",
     "recommend_precision",
     "native_bf16_feature",
@@ -46,6 +50,8 @@ __all__ = [
     "default_matmul_size",
     "parse_cpuinfo",
     "environment_report",
+    "malloc_env",
+    "TUNED_MALLOC_ENV",
     "CPU_FEATURES",
 ]
 
@@ -54,6 +60,12 @@ __all__ = [
 NATIVE_BF16_FEATURES = ("amx_bf16", "avx512_bf16")
 CPU_FEATURES = ("amx_bf16", "amx_tile", "avx512_bf16", "avx512_fp16", "avx512f", "avx2")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+#: glibc malloc settings for a training process (``turbotrain bench --malloc-tuned`` starts every
+#: row with them). A step frees and allocates the same large buffers again; by default glibc maps
+#: each one above its mmap threshold (128 KiB, rising to at most 32 MiB) on its own and unmaps it
+#: when freed, so every step faults its pages in afresh. With no mmap'd chunks and a trim threshold
+#: above any heap, the freed pages stay mapped for the next step. Read once, when a process starts.
+TUNED_MALLOC_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(64 * 2**30)}
 _VERSIONED = ("torch", "rich", "tokenizers", "numpy", "matplotlib")
 
 
@@ -240,6 +252,32 @@ def _median_seconds(fn, device: str, seconds: float, min_repeats: int = 5) -> fl
     return statistics.median(times)
 
 
+def timed_trials(fn, device: str, trials: int, trial_seconds: float, give_up_after: float = math.inf) -> list[float]:
+    """Seconds per call of ``fn()`` in each of ``trials`` trials, for taking the best of.
+
+    One warm-up call (kernel selection, lazy initialisation), one call that sizes the trials, then
+    each trial times back-to-back calls filling at least ``trial_seconds``, ended by a device sync.
+    Once ``give_up_after`` seconds have passed, it stops after the second trial (a slow shape).
+    """
+    fn()
+    sync_device(device)
+    t0 = time.perf_counter()
+    fn()
+    sync_device(device)
+    reps = max(1, math.ceil(trial_seconds / max(time.perf_counter() - t0, 1e-6)))
+    out: list[float] = []
+    started = time.perf_counter()
+    for i in range(trials):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        sync_device(device)
+        out.append((time.perf_counter() - t0) / reps)
+        if i >= 1 and time.perf_counter() - started > give_up_after:
+            break
+    return out
+
+
 def default_matmul_size(dtype: str, device: str) -> int:
     """Big enough to be compute-bound; fp16 on a CPU is emulated (~25x slower) so kept small."""
     if device == "cuda":
@@ -255,8 +293,10 @@ def measure_matmul_peak(
     *,
     force: bool = False,
     use_cache: bool = True,
+    trials: int = 5,
 ) -> float:
-    """Achievable FLOP/s of a square ``size`` x ``size`` matmul (2 FLOPs per multiply-add).
+    """Best FLOP/s of a square ``size`` x ``size`` matmul (2 FLOPs per multiply-add): the fastest
+    of ``trials`` timed trials in each operand layout, about ``seconds`` in all.
 
     Cached per (device, dtype, size, torch version, CPU model, threads); ``force=True`` (or
     TURBOTRAIN_REMEASURE=1) measures again and overwrites the cache.
@@ -273,14 +313,15 @@ def measure_matmul_peak(
         b = torch.randn(size, size, device=device, generator=gen).to(_DTYPES[name])
         # both operand layouts: nn.Linear multiplies by a transposed weight, and on some CPUs the two
         # take different kernels (bf16 without native support: 0.6 vs 4.3 GFLOP/s at n=1024 seen here)
-        best = min(_median_seconds(lambda: torch.mm(a, b), device, seconds / 2),
-                   _median_seconds(lambda: torch.mm(a, b.t()), device, seconds / 2))
+        best = min(min(timed_trials(lambda: torch.mm(a, b), device, trials, seconds / (2 * trials))),
+                   min(timed_trials(lambda: torch.mm(a, b.t()), device, trials, seconds / (2 * trials))))
         return 2.0 * size**3 / best
 
     force = force or os.environ.get("TURBOTRAIN_REMEASURE") == "1"
     if not use_cache:
         return measure()
-    return _cached(_cache_key("matmul", device, name, size), measure, force)
+    # "matmul-max": entries of the older median method are not read as maxima
+    return _cached(_cache_key("matmul-max", device, name, size), measure, force)
 
 
 def measure_memory_bandwidth(
@@ -308,6 +349,16 @@ def _dtype_name(dtype) -> str:
 
 
 # --------------------------------------------------------------------------------------------- CLI
+def malloc_env(environ=None) -> dict[str, str]:
+    """The glibc ``MALLOC_*`` settings in ``environ`` (os.environ: what processes started from here get).
+
+    >>> malloc_env({"MALLOC_MMAP_MAX_": "0", "PATH": "/bin"})
+    {'MALLOC_MMAP_MAX_': '0'}
+    """
+    environ = os.environ if environ is None else environ
+    return {k: v for k, v in sorted(environ.items()) if k.startswith("MALLOC_")}
+
+
 def environment_report(device: str = "auto", *, dtypes=("fp32", "bf16", "fp16"), force: bool = False) -> dict:
     """Everything ``turbotrain env`` prints, as one JSON-ready dict (also a benchmark header)."""
     info = detect(device)
@@ -316,11 +367,12 @@ def environment_report(device: str = "auto", *, dtypes=("fp32", "bf16", "fp16"),
     return {
         "hardware": info.to_dict(),
         "matmul_peak_flops": peaks,
-        "matmul_peak_method": "square torch.mm, the faster of B and B^T layouts, median of repeats after warm-up, 2 FLOPs per multiply-add; "
+        "matmul_peak_method": "square torch.mm, the faster of B and B^T layouts, maximum over timed trials after warm-up, 2 FLOPs per multiply-add; "
         + ", ".join(f"{d} n={default_matmul_size(d, info.device)}" for d in _DTYPES),
         "memory_bandwidth_bytes_per_s": measure_memory_bandwidth(info.device, force=force),
         "recommended_precision": precision,
         "recommended_precision_reason": reason,
+        "malloc_env": malloc_env(),
     }
 
 
@@ -342,3 +394,6 @@ def print_environment(report: dict, console=None) -> None:
     console.print(f"[bold]copy bandwidth[/] {report['memory_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s (read + write)")
     console.print(f"[bold]recommended precision[/] {report['recommended_precision']}: "
                   f"{report['recommended_precision_reason']}")
+    malloc = report.get("malloc_env") or {}
+    console.print("[bold]malloc settings[/] " + (" ".join(f"{k}={v}" for k, v in malloc.items())
+                                                  or "glibc defaults (no MALLOC_* variables set)"))

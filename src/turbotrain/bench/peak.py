@@ -13,8 +13,9 @@ the probe recorded when the cached peak was measured: if the two differ by more 
 PROBE_TOLERANCE, the machine is not the one the cache describes (busier then, or now, or changed)
 and the peak is measured again. ``force=True`` (``TURBOTRAIN_REMEASURE=1``) always re-measures.
 
-turbotrain.hardware's ``measure_matmul_peak`` (``turbotrain env``) is a different figure: the
-median of a square ``torch.mm``; the ladder keeps it in its header for comparison only.
+turbotrain.hardware's ``measure_matmul_peak`` (``turbotrain env``) is the square shape alone, timed
+with the same trials (hardware.timed_trials); the ladder keeps it in its header for comparison only.
+``turbotrain env --remeasure`` clears this cache too (clear_cache).
 """
 
 from __future__ import annotations
@@ -28,12 +29,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..hardware import cache_dir, detect
-from ..utils import atomic_write, sync_device
+from ..hardware import cache_dir, default_matmul_size, detect, timed_trials
+from ..utils import atomic_write
 from .flops import Gemm
 
 __all__ = ["PeakSettings", "matmul_peak", "matmul_peaks", "measure_gemm", "quick_probe", "square_gemms", "square_size", "peak_method",
-           "PROBE_TOLERANCE", "CACHE_FILE"]
+           "clear_cache", "PROBE_TOLERANCE", "CACHE_FILE"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,9 +57,7 @@ class PeakSettings:
 
 def square_size(dtype: str, device: str) -> int:
     """Large enough to be compute-bound; fp16 on a CPU is emulated (~25x slower), so kept small."""
-    if device == "cuda":
-        return 8192
-    return 256 if dtype == "fp16" else 1024
+    return default_matmul_size(dtype, device)
 
 
 def square_gemms(dtype: str, device: str) -> list[Gemm]:
@@ -85,23 +84,7 @@ def measure_gemm(g: Gemm, dtype: str, device: str, trials: int, trial_seconds: f
     """FLOP/s of each trial of ``g`` in ``dtype`` (2 FLOPs per multiply-add)."""
     a, b = _operands(g, dtype, device)
     mm = torch.bmm if g.batch > 1 else torch.mm
-    mm(a, b)  # warm-up: kernel selection, lazy initialisation (a cuBLAS handle takes far longer than a call)
-    sync_device(device)
-    t0 = time.perf_counter()
-    mm(a, b)  # one steady call sizes the trials
-    sync_device(device)
-    one = max(time.perf_counter() - t0, 1e-6)
-    reps = max(1, math.ceil(trial_seconds / one))
-    values, started = [], time.perf_counter()
-    for i in range(trials):
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            mm(a, b)
-        sync_device(device)
-        values.append(g.flops * reps / (time.perf_counter() - t0))
-        if i >= 1 and time.perf_counter() - started > shape_seconds:
-            break
-    return values
+    return [g.flops / s for s in timed_trials(lambda: mm(a, b), device, trials, trial_seconds, shape_seconds)]
 
 
 def quick_probe(dtype: str, device: str, settings: PeakSettings = PeakSettings()) -> float:
@@ -131,6 +114,16 @@ def _load_cache() -> dict:
         return json.loads((cache_dir() / CACHE_FILE).read_text())
     except (OSError, ValueError):
         return {}
+
+
+def clear_cache() -> bool:
+    """Forget every cached ladder peak (``turbotrain env --remeasure``); True if there was a cache."""
+    path = cache_dir() / CACHE_FILE
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def _save_cache(table: dict) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 from ..errors import ConfigError
@@ -32,14 +33,30 @@ def _names(text: str | None) -> tuple[str, ...] | None:
 
 
 def _bench(args) -> int:
+    if args.malloc_tuned:  # every worker and rank inherits it, peers and turbotrain rows alike
+        from ..hardware import TUNED_MALLOC_ENV
+
+        os.environ.update(TUNED_MALLOC_ENV)
+    if args.config_file and args.nproc is not None:
+        raise ConfigError("--config-file adds a row to the single-process ladder; it does not combine with --nproc")
     if args.nproc is not None:  # 0 too: the dp ladder refuses it, rather than running the other ladder
         return _dp_bench(args)
     from ..bench.runner import (DEFAULT_ROUNDS, DEFAULT_STEPS, DEFAULT_WARMUP, QUICK_ROUNDS, QUICK_STEPS, QUICK_WARMUP,
                                 LadderSettings, run_ladder)
 
     quick = args.quick
+    configs = _names(args.configs)
+    if args.config_file:  # the tuned Config as row tt-tuned: in the default ladder, or added to --configs
+        from ..bench.runner import QUICK_CONFIGS
+        from ..tune.row import register_tuned_row
+
+        row = register_tuned_row(args.config_file)
+        if configs is None and quick:
+            configs = (*QUICK_CONFIGS, row)
+        elif configs is not None and row not in configs:
+            configs = (*configs, row)
     settings = LadderSettings(
-        workload=args.workload, configs=_names(args.configs),
+        workload=args.workload, configs=configs,
         steps=args.steps if args.steps is not None else (QUICK_STEPS if quick else DEFAULT_STEPS),
         warmup=args.warmup if args.warmup is not None else (QUICK_WARMUP if quick else DEFAULT_WARMUP),
         rounds=args.rounds if args.rounds is not None else (QUICK_ROUNDS if quick else DEFAULT_ROUNDS),
@@ -122,8 +139,14 @@ def add_parsers(subparsers, parents=()) -> None:
     p.add_argument("--timeout", type=float, default=None,
                    help="seconds one worker command (build + warm-up, one round, val) may take before the row is "
                         "killed (default 1200; with --nproc, a whole job: 900)")
+    p.add_argument("--malloc-tuned", action="store_true",
+                   help="start every row's process with glibc's MALLOC_MMAP_MAX_=0 and a high MALLOC_TRIM_THRESHOLD_ "
+                        "(turbotrain.hardware.TUNED_MALLOC_ENV): freed tensors stay mapped instead of faulting in "
+                        "afresh each step; it applies to peers and turbotrain rows alike, and the header records it")
     p.add_argument("--strict", action="store_true", help="exit 1 if any row failed (default: only if all did)")
     p.add_argument("--list", action="store_true", help="list the registered configs and exit")
+    p.add_argument("--config-file", default=None, metavar="JSON",
+                   help="add row tt-tuned, the Engine with this Config (the tuned.json turbotrain tune wrote)")
     dp = p.add_argument_group("data-parallel ladder (turbotrain.bench.dp_ladder)")
     dp.add_argument("--nproc", type=int, default=None,
                     help="ranks per job; giving it runs the data-parallel ladder instead (gloo on loopback)")

@@ -14,6 +14,10 @@ def _env(args) -> int:
 
     if not args.json:  # before the measuring, so a missing extra costs no time
         require("rich", "bench", "turbotrain env's text output (or use --json)")
+    if args.remeasure:  # the ladder's peaks too, so the next `turbotrain bench` measures them again
+        from ..bench.peak import clear_cache
+
+        clear_cache()
     report = environment_report(args.device, force=args.remeasure)
     if args.json:
         print(json.dumps(report, indent=2))
@@ -28,5 +32,5 @@ def add_parsers(subparsers, parents=()) -> None:
                               help="describe the hardware, measure matmul peaks, recommend a precision")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    p.add_argument("--remeasure", action="store_true", help="ignore cached peaks and measure again")
+    p.add_argument("--remeasure", action="store_true", help="ignore cached peaks and measure again (the benchmark ladder's cached peaks are dropped too)")
     p.set_defaults(func=_env)

@@ -66,15 +66,41 @@ class CompileTransform(Transform):
     The loss (the fused linear+cross-entropy head included) sits in the same graph as the forward,
     so Inductor fuses across the model/loss boundary the way torch.compile over a whole training
     step does. Backward runs from that graph's compiled backward.
+
+    ``attention=True`` runs the model's ``scaled_dot_product_attention`` calls inside that graph
+    as plain PyTorch attention that Inductor fuses, in place of the stock kernel
+    (fusion/attention.py); None chooses it on a CPU in bf16, where the stock op is the CPU flash
+    kernel. Opt-in (default False): its speed-up over the flash kernel has not yet been measured
+    outside the noise on a quiet machine, and it keeps FP32 scores for the backward (more memory).
     """
 
     name = "compile"
 
-    def __init__(self):
+    def __init__(self, attention: bool | None = False):
         self._graphs_at_start: int | None = None
+        self.attention = attention
+        """True, False, or None: chosen at set-up (plain attention on a CPU in bf16)."""
+        self._attention_reason = ""
 
     def wrap_runner(self, runner, plan, ctx):
+        if self.attention is None:
+            self.attention = ctx.device.type == "cpu" and ctx.dtype == torch.bfloat16
+            self._attention_reason = " (chosen: a CPU in bf16)" if self.attention else ""
+        if self.attention:
+            from .attention import PlainAttentionMode
+
+            inner = runner
+
+            def runner(*args, **kwargs):
+                with PlainAttentionMode():
+                    return inner(*args, **kwargs)
+
         return torch.compile(runner)
+
+    def describe(self) -> str:
+        attention = ("scaled_dot_product_attention as compiled plain attention" + self._attention_reason
+                     if self.attention else "stock scaled_dot_product_attention")
+        return f"compile: forward and loss as one graph; {attention}"
 
     def recompiles(self) -> int:
         """Graphs built after the first step: 0 while shapes (and buckets) are stable."""

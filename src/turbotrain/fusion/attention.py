@@ -1,0 +1,158 @@
+"""Attention as plain PyTorch, so torch.compile fuses it, in place of the CPU flash kernel.
+
+On a CPU, ``F.scaled_dot_product_attention`` runs torch's flash-attention kernel: one opaque op
+that Inductor calls as it is, whose backward runs far below the matmul peak. Written as ``q @ kᵀ``,
+a mask, an FP32 softmax and ``@ v``, the same attention is matmuls Inductor hands to the BLAS and
+elementwise work it fuses into one loop each way. For causal attention the queries go in blocks,
+and each block multiplies only the keys at or before its last row, so the fully masked upper
+blocks of ``q @ kᵀ`` are never computed (nor stored for the backward).
+
+:class:`PlainAttentionMode` routes the ``scaled_dot_product_attention`` calls of any model (a
+user's own ``F.scaled_dot_product_attention``, Hugging Face's sdpa attention interface) to
+:func:`plain_attention` while it is entered; ``torch.compile`` traces through it in one graph.
+The stock op is its own reference twin. Opt-in (``CompileTransform(attention=True)``, or enter the
+mode inside your own compiled step): on the shared 2-core development CPU the interleaved A/B so
+far could not tell it from the flash kernel, and it keeps FP32 scores for the backward, so it
+costs memory at long sequences.
+
+>>> import torch
+>>> import torch.nn.functional as F
+>>> q, k, v = (torch.randn(1, 2, 5, 4) for _ in range(3))
+>>> stock = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+>>> with PlainAttentionMode(block=2):
+...     plain = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+>>> torch.allclose(plain, stock, atol=1e-6)
+True
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["plain_attention", "PlainAttentionMode", "DEFAULT_BLOCK"]
+
+logger = logging.getLogger(__name__)
+
+#: Query rows per causal block. Smaller blocks skip more of the masked triangle (with n blocks,
+#: (n + 1) / 2n of ``q @ kᵀ`` is computed) but make smaller, less efficient matmuls. For compiled
+#: attention alone at T=256 on the (loaded) development CPU, 128 beat one block on one thread, and
+#: 64 and 32 were slower than 128 on two; whole-step measurements of the choice are still to come.
+DEFAULT_BLOCK = 128
+_SDPA = F.scaled_dot_product_attention
+_WARNED: set[str] = set()
+
+
+def _say_once(reason: str) -> None:
+    if reason not in _WARNED:
+        _WARNED.add(reason)
+        logger.warning("scaled_dot_product_attention runs the stock kernel: %s", reason)
+
+
+def _causal_keep(rows: range, keys: int, device) -> Tensor:
+    """(len(rows), keys) bool: query i sees key j <= i (sdpa's top-left-aligned causal mask)."""
+    return torch.arange(rows.start, rows.stop, device=device)[:, None] >= torch.arange(keys, device=device)[None, :]
+
+
+def _attend(q: Tensor, k: Tensor, v: Tensor, scale: float, keep: Optional[Tensor] = None,
+            bias: Optional[Tensor] = None, causal: bool = False) -> Tensor:
+    """softmax(scale * q kᵀ + mask) v with the softmax in FP32. Under a user's mask a row with every
+    key masked gives 0 (as the stock op's math backend does), not NaN; a causal mask never masks a
+    whole row, so that check is left out there."""
+    scores = torch.matmul(q, k.transpose(-2, -1)).float() * scale
+    if bias is not None:
+        scores = scores + bias.float()
+    if keep is not None:
+        scores = scores.masked_fill(~keep, float("-inf"))
+    if causal or (bias is None and keep is None):
+        probs = torch.softmax(scores, dim=-1)
+    else:  # softmax of an all -inf row is NaN, and so would be its gradient: give that row zeros
+        dead = scores.amax(dim=-1, keepdim=True) == float("-inf")
+        probs = torch.softmax(scores.masked_fill(dead, 0.0), dim=-1).masked_fill(dead, 0.0)
+    return torch.matmul(probs.to(v.dtype), v)
+
+
+def plain_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor] = None,
+                    is_causal: bool = False, scale: Optional[float] = None, enable_gqa: bool = False,
+                    block: Optional[int] = DEFAULT_BLOCK) -> Tensor:
+    """``F.scaled_dot_product_attention`` without dropout, as matmuls and an FP32 softmax.
+
+    ``attn_mask`` is a bool mask (True: attend) or an additive float mask, broadcast as sdpa does;
+    ``enable_gqa`` repeats each key/value head for its group of query heads. With ``is_causal``
+    and ``block``, query rows go in blocks of ``block`` that skip the keys after their last row
+    (``block=None``: one block, the full masked square).
+
+    >>> q = torch.randn(2, 4, 6, 8); kv = torch.randn(2, 2, 6, 8)
+    >>> plain_attention(q, kv, kv, is_causal=True, enable_gqa=True).shape
+    torch.Size([2, 4, 6, 8])
+    """
+    length, keys = query.shape[-2], key.shape[-2]
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    if enable_gqa and key.dim() >= 3 and key.shape[-3] != query.shape[-3]:
+        groups = query.shape[-3] // key.shape[-3]
+        key, value = key.repeat_interleave(groups, dim=-3), value.repeat_interleave(groups, dim=-3)
+    keep = bias = None
+    if attn_mask is not None:
+        keep, bias = (attn_mask, None) if attn_mask.dtype == torch.bool else (None, attn_mask)
+    if not is_causal:
+        return _attend(query, key, value, scale, keep, bias)
+    step = length if block is None else block
+    outs = []
+    for start in range(0, length, step):
+        rows = range(start, min(start + step, length))
+        seen = min(rows.stop, keys)  # keys after the block's last row are masked for all its rows
+        outs.append(_attend(query[..., rows.start:rows.stop, :], key[..., :seen, :], value[..., :seen, :], scale,
+                            _causal_keep(rows, seen, query.device), causal=True))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
+
+
+def _unsupported(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa) -> Optional[str]:
+    """Why a call is left to the stock op, or None."""
+    if dropout_p:
+        return f"dropout_p={dropout_p} (attention dropout is only in the stock kernel)"
+    if query.is_nested or key.is_nested or value.is_nested:
+        return "nested tensors"
+    if is_causal and attn_mask is not None:
+        return "attn_mask with is_causal=True (the stock op refuses it, with its own message)"
+    if key.shape[-3:-2] != query.shape[-3:-2] and not (
+            enable_gqa and key.dim() >= 3 and query.shape[-3] % key.shape[-3] == 0):
+        return "key heads differ from query heads without enable_gqa (the stock op explains)"
+    return None
+
+
+class PlainAttentionMode(TorchFunctionMode):
+    """While entered, ``F.scaled_dot_product_attention`` calls run :func:`plain_attention`.
+
+    A call with dropout (``dropout_p > 0``) or another case plain_attention does not cover runs
+    the stock op, and the first of each kind is logged as a warning. ``calls`` counts the calls
+    routed outside torch.compile (under compile the mode acts once, when the graph is traced).
+    """
+
+    def __init__(self, block: Optional[int] = DEFAULT_BLOCK):
+        super().__init__()
+        self.block = block
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not _SDPA:
+            return func(*args, **kwargs)
+        return self._attention(*args, **kwargs)
+
+    def _attention(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                   enable_gqa=False):
+        reason = _unsupported(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
+        if reason is not None:
+            if not torch.compiler.is_compiling():
+                _say_once(reason)
+            return _SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                         scale=scale, enable_gqa=enable_gqa)
+        if not torch.compiler.is_compiling():
+            self.calls += 1
+        return plain_attention(query, key, value, attn_mask, is_causal, scale, enable_gqa, self.block)

@@ -1,0 +1,204 @@
+"""Plain-PyTorch attention (fusion/attention.py) against the stock scaled_dot_product_attention:
+outputs and q/k/v gradients, in eager and through torch.compile, on user-gpt and HF Llama."""
+
+import copy
+import doctest
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from turbotrain import Config, Engine
+from turbotrain.fusion import attention
+from turbotrain.fusion.attention import PlainAttentionMode, plain_attention
+from turbotrain.utils import sqnr_db
+
+# (dtype, check): the tolerance next to the dtype it belongs to. The oracle is the stock op in fp64.
+DTYPES = [
+    # fp32: the same math in another order (blocks, FP32 softmax either way).
+    pytest.param(torch.float32, ("rel", 1e-5), id="fp32"),
+    # bf16: q kᵀ is rounded to bf16 before the FP32 softmax and the probabilities before @ v, one
+    # rounding each (~48 dB alone); the stock CPU kernel keeps FP32 scores, so allow a few roundings.
+    pytest.param(torch.bfloat16, ("sqnr", 30.0), id="bf16"),
+]
+
+# name -> (q shape, kv heads, kv length, sdpa keyword arguments (mask built per case), block)
+CASES = {
+    "causal-blocks": ((2, 4, 37, 16), 4, 37, {"is_causal": True}, 8),  # odd length: a short last block
+    "causal-one-block": ((2, 4, 37, 16), 4, 37, {"is_causal": True}, None),
+    "causal-longer-keys": ((1, 2, 9, 8), 2, 21, {"is_causal": True}, 4),  # sdpa aligns the mask top-left
+    "causal-gqa-scale": ((2, 6, 20, 8), 2, 20, {"is_causal": True, "enable_gqa": True, "scale": 0.3}, 8),
+    "bool-mask": ((2, 4, 13, 8), 4, 17, {"mask": "bool"}, 8),
+    "float-mask": ((2, 4, 13, 8), 4, 17, {"mask": "float"}, 8),
+    "no-mask": ((3, 13, 8), 3, 11, {}, 8),  # 3-d inputs: sdpa takes any leading dims
+}
+
+
+def make_case(name, dtype):
+    shape, kv_heads, kv_len, kwargs, block = CASES[name]
+    g = torch.Generator().manual_seed(0)
+    kv_shape = (*shape[:-3], kv_heads, kv_len, shape[-1]) if len(shape) == 4 else (shape[0], kv_len, shape[-1])
+    leaves = [torch.randn(s, generator=g).to(dtype).requires_grad_() for s in (shape, kv_shape, kv_shape)]
+    kwargs = dict(kwargs)
+    mask = kwargs.pop("mask", None)
+    if mask is not None:
+        keep = torch.rand(shape[-2], kv_len, generator=g) > 0.4
+        keep[3] = False  # a row with every key masked: 0 out, as the stock op gives, never NaN
+        kwargs["attn_mask"] = keep if mask == "bool" else torch.zeros(keep.shape).masked_fill(~keep, float("-inf"))
+    return leaves, kwargs, block
+
+
+def run(fn, leaves, upstream):
+    out = fn(*leaves)
+    return [out, *torch.autograd.grad(out, leaves, upstream.to(out.dtype))]
+
+
+def check(actual, oracle, tol):
+    kind, value = tol
+    actual, oracle = actual.double(), oracle.double()
+    assert torch.isfinite(actual).all()
+    if kind == "rel":
+        err = (actual - oracle).abs().max().item()
+        assert err <= value * oracle.abs().max().item() + 1e-12, f"max error {err}"
+    else:
+        assert sqnr_db(oracle, actual) >= value, f"sqnr {sqnr_db(oracle, actual):.1f} dB"
+
+
+@pytest.mark.parametrize("dtype,tol", DTYPES)
+@pytest.mark.parametrize("case", list(CASES))
+def test_plain_attention_matches_the_stock_op(case, dtype, tol):
+    leaves, kwargs, block = make_case(case, dtype)
+    oracle_leaves = [t.detach().double().requires_grad_() for t in leaves]
+    oracle_kwargs = {k: (v.double() if k == "attn_mask" and v.is_floating_point() else v) for k, v in kwargs.items()}
+    probe = plain_attention(*leaves, **kwargs)
+    upstream = torch.randn(probe.shape, generator=torch.Generator().manual_seed(1))
+    oracle = run(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, **oracle_kwargs), oracle_leaves, upstream)
+    plain = run(lambda q, k, v: plain_attention(q, k, v, block=block, **kwargs), leaves, upstream)
+    for p, o in zip(plain, oracle):
+        check(p, torch.nan_to_num(o), tol)
+    if "attn_mask" in kwargs:  # the fully masked row, exactly as the stock op's math
+        assert (plain[0][..., 3, :] == 0).all()
+
+
+def test_the_mode_routes_sdpa_calls_and_leaves_dropout_to_the_stock_op(caplog):
+    (q, k, v), _, _ = make_case("causal-blocks", torch.float32)
+    mode = PlainAttentionMode(block=8)
+    with mode:
+        routed = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert mode.calls == 1
+    torch.testing.assert_close(routed, plain_attention(q, k, v, is_causal=True, block=8))
+    torch.manual_seed(3)
+    stock = F.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+    torch.manual_seed(3)
+    with caplog.at_level(logging.WARNING, logger="turbotrain.fusion.attention"), mode:
+        dropped = F.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+    assert mode.calls == 1 and torch.equal(dropped, stock)
+    assert "dropout_p=0.5" in caplog.text
+
+
+class Graphs:
+    """A torch.compile backend that keeps every FX graph Dynamo hands it."""
+
+    def __init__(self):
+        self.graphs = []
+
+    def __call__(self, gm, example_inputs):
+        self.graphs.append(gm)
+        return gm.forward
+
+    def targets(self):
+        return [n.target for gm in self.graphs for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def test_torch_compile_traces_through_the_mode_in_one_graph():
+    torch._dynamo.reset()
+    (q, k, v), _, _ = make_case("causal-gqa-scale", torch.bfloat16)
+    backend = Graphs()
+
+    def attend(q, k, v):
+        with PlainAttentionMode(block=8):  # entered inside the compiled function, as CompileTransform does
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, scale=0.3)
+
+    out = torch.compile(attend, backend=backend, fullgraph=True)(q, k, v)  # fullgraph: a break would raise
+    assert len(backend.graphs) == 1
+    assert F.scaled_dot_product_attention not in backend.targets() and torch.matmul in backend.targets()
+    torch.testing.assert_close(out, plain_attention(q, k, v, is_causal=True, enable_gqa=True, scale=0.3, block=8))
+
+
+def loss_and_grads(model, loss_of, mode=None):
+    model.zero_grad(set_to_none=True)
+    if mode is None:
+        loss = loss_of(model)
+    else:
+        with mode:
+            loss = loss_of(model)
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def compare_models(model, loss_of, calls, tol=("sqnr", 30.0)):
+    """The model's loss and every weight grad, plain attention vs stock, both in bf16."""
+    stock_loss, stock_grads = loss_and_grads(model, loss_of)
+    mode = PlainAttentionMode(block=8)
+    plain_loss, plain_grads = loss_and_grads(model, loss_of, mode)
+    assert mode.calls == calls
+    torch.testing.assert_close(plain_loss, stock_loss, rtol=1e-2, atol=0)
+    assert stock_grads.keys() == plain_grads.keys()
+    largest = max(float(g.float().norm()) for g in stock_grads.values())
+    for name, grad in stock_grads.items():
+        if float(grad.float().norm()) < 1e-3 * largest:
+            # zero but for rounding (the key bias: softmax ignores a shift shared by a row's scores),
+            # so there is no signal to take a ratio to; both must stay as small
+            assert float(plain_grads[name].float().norm()) < 1e-3 * largest, name
+        else:
+            assert sqnr_db(grad, plain_grads[name]) >= tol[1], name
+
+
+def test_user_gpt_loss_and_grads_match_with_plain_attention():
+    from turbotrain.workloads import get_workload
+
+    wl = get_workload("user-gpt", d=64, n_layer=2, n_head=4, T=32, B=2)
+    model = wl.build_model().to(torch.bfloat16)
+    tokens, targets = torch.randint(0, 8192, (2, 2, 32), generator=torch.Generator().manual_seed(0))
+    compare_models(model, lambda m: wl.loss_fn(m(tokens).float(), targets), calls=2)
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["is_causal", "padding-mask"])
+def test_hf_llama_loss_and_grads_match_with_plain_attention(padded):
+    hf = pytest.importorskip("hf_models")
+    model = hf.build("llama").to(torch.bfloat16)  # 4 query heads on 2 key/value heads: GQA
+    assert model.config._attn_implementation == "sdpa"
+    batch = hf.batches("llama", 1)[0]
+    if not padded:
+        batch = {"input_ids": batch["input_ids"], "labels": batch["input_ids"]}
+    compare_models(model, lambda m: m(**batch).loss, calls=model.config.num_hidden_layers)
+
+
+@pytest.mark.slow  # two whole-model compiles: about two minutes on 2 cores
+def test_engine_compiles_plain_attention_on_a_bf16_cpu_and_matches_stock():
+    from turbotrain.workloads import get_workload
+
+    wl = get_workload("user-gpt", d=64, n_layer=1, n_head=4, T=32, B=2)
+    data = [torch.randint(0, 8192, (2, 2, 32), generator=torch.Generator().manual_seed(i)).unbind(0)
+            for i in range(3)]
+    base = wl.build_model()
+    losses = {}
+    for choice in (None, False):
+        torch._dynamo.reset()
+        model = copy.deepcopy(base)
+        # fusion makes the Engine set up at the first step, so the compile transform can be told first
+        engine = Engine(model, torch.optim.AdamW(model.parameters(), lr=1e-3), wl.loss_fn,
+                        config=Config(precision="bf16-master", fuse=("linear_cross_entropy",), compile=True,
+                                      device="cpu"))
+        engine._transform("compile").attention = choice
+        losses[choice] = torch.stack([engine.step(b).loss for b in data]).float()
+        compile_t = engine._transform("compile")
+        assert compile_t.attention is (choice is None)
+        assert ("plain attention" in compile_t.describe()) is (choice is None)
+        assert engine.step(data[0]).recompiles == 0
+    torch.testing.assert_close(losses[None], losses[False], rtol=1e-2, atol=0)
+
+
+def test_docstring_examples_run():
+    assert doctest.testmod(attention).failed == 0
