@@ -320,3 +320,21 @@ def test_a_checkpoint_of_another_optimizer_class_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match="AdamW"):
         Engine.load(tmp_path / "ck.pt", model, torch.optim.SGD(model.parameters(), lr=0.1), work.loss_fn,
                     config=Config(device="cpu"))
+
+
+def test_nan_check_on_a_dict_batch_with_a_finite_forward_reports_the_backward():
+    # The finder replays the loss with the output and no targets: the contract's loss for a dict
+    # batch (the model's own) must take that call, or the report of a NaN born in backward (the
+    # forward all finite, so the finder reaches the loss) becomes a TypeError.
+    class SqrtAtZero(DictModel):
+        def forward(self, input_ids, attention_mask=None, labels=None):
+            out = super().forward(input_ids, attention_mask, labels)
+            out.loss = out.loss + torch.sqrt(self.head.bias[:1] * 0).sum()  # 0 forward, NaN gradient
+            return out
+
+    torch.manual_seed(0)
+    model = SqrtAtZero()
+    engine = Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), config=Config(device="cpu", nan_check=True))
+    ids = torch.randint(0, 32, (2, 5))
+    with pytest.raises(TurbotrainError, match="inf/NaN appeared"):
+        engine.step({"input_ids": ids, "labels": ids})

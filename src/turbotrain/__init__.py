@@ -11,6 +11,7 @@ from .checkpoint import load_model_weights
 from .comm.config import DataParallelConfig
 from .config import Config
 from .engine import Engine, StepStats
+from .guards import GuardConfig, PrecisionDriftError, PrecisionDriftWarning
 from .parallel.config import ParallelConfig
 from .errors import (
     CheckpointError, ConfigError, DistributedError, FusionError, HardwareError, LossScaleError,
@@ -29,7 +30,21 @@ __all__ = [
     # training
     "Engine", "StepStats", "Config", "LossScaleConfig", "DataParallelConfig", "ParallelConfig",
     "load_model_weights",
+    # search (turbotrain/tune: harness, imported on first use)
+    "tune",
+    # guards while training
+    "GuardConfig", "PrecisionDriftWarning",
     # errors
     "TurbotrainError", "ConfigError", "UnknownWorkloadError", "CheckpointError", "HardwareError",
-    "DistributedError", "LossScaleError", "FusionError",
+    "DistributedError", "LossScaleError", "FusionError", "PrecisionDriftError",
 ]
+
+
+def __getattr__(name):
+    # turbotrain.tune is harness (it runs the bench workers), so `import turbotrain` must not load it;
+    # the package is callable: turbotrain.tune(model_fn, optimizer_fn, batches, ...)
+    if name == "tune":
+        import importlib
+
+        return importlib.import_module(".tune", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

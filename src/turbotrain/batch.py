@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 
 from .errors import ConfigError
 
-__all__ = ["Batch", "LossContract", "as_batch", "model_loss", "check_loss", "pad_to_bucket", "bucket_length",
+__all__ = ["Batch", "ContractCall", "LossContract", "as_batch", "model_loss", "check_loss", "pad_to_bucket", "bucket_length",
            "is_causal_model", "accepts_keyword", "IGNORE_INDEX"]
 
 #: Label value every cross-entropy in turbotrain (and Hugging Face) ignores.
@@ -260,3 +260,18 @@ def _refuse(model: nn.Module, length: int, size: int) -> ConfigError:
         "padding would change its loss. Fix: give forward an attention_mask argument, set "
         "model.is_causal = True if it is causal, or drop seq_buckets"
     )
+
+
+class ContractCall(nn.Module):
+    """The model called the way the batch contract calls it: ``forward((args, kwargs))``.
+
+    What the NaN finder needs, whose replays call ``module(inputs)`` with one argument.
+    """
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.inner = model
+
+    def forward(self, call):
+        args, kwargs = call
+        return self.inner(*args, **kwargs)

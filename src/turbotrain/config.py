@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, fields, replace
 
 from .comm.config import DataParallelConfig
 from .errors import ConfigError, check_bool, check_choice, check_number
+from .guards import GuardConfig, check_guards
 from .parallel.config import ParallelConfig
 from .precision.config import PRECISIONS, LossScaleConfig
 
@@ -63,6 +64,8 @@ class Config:
     """Copy StepStats tensors to host floats every step (a device sync); off by default."""
     track_grad_norm: bool = False
     """Report the global gradient norm in StepStats even without clipping (one extra pass)."""
+    guards: GuardConfig | bool | None = None
+    """True or a GuardConfig: an FP32 shadow check every N steps and self-healing precision (guards.py)."""
 
     def __post_init__(self):
         check_choice("precision", self.precision, PRECISIONS)
@@ -88,6 +91,9 @@ class Config:
                 "replicates it with DDP and its gradient compression"
             )
         object.__setattr__(self, "seq_buckets", _normalise_buckets(self.seq_buckets))
+        object.__setattr__(self, "guards", _normalise_nested("guards", self.guards, GuardConfig,
+                                                             "turbotrain.GuardConfig"))
+        check_guards(self.guards, self.loss_scale)
 
     def replace(self, **changes) -> "Config":
         """A copy with some fields changed (validated again)."""
@@ -107,13 +113,14 @@ class Config:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Config":
-        """The inverse of to_dict: nested dicts become LossScaleConfig / DataParallelConfig / ParallelConfig.
+        """The inverse of to_dict: nested dicts become LossScaleConfig / DataParallelConfig / ParallelConfig /
+        GuardConfig.
 
         Unknown keys raise ConfigError (a typo must not fall back to a default silently).
         """
         values = _known_fields(cls, d, "Config")
         for name, nested in (("loss_scale", LossScaleConfig), ("data_parallel", DataParallelConfig),
-                             ("parallel", ParallelConfig)):
+                             ("parallel", ParallelConfig), ("guards", GuardConfig)):
             if isinstance(values.get(name), dict):
                 values[name] = nested(**_known_fields(nested, values[name], name))
         return cls(**values)

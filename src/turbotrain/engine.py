@@ -25,9 +25,10 @@ import torch
 from torch import nn
 
 from . import checkpoint as ckpt
-from .batch import Batch, LossContract, as_batch, check_loss, pad_to_bucket
+from .batch import Batch, ContractCall, LossContract, as_batch, check_loss, pad_to_bucket
 from .config import Config
 from .errors import CheckpointError, ConfigError, DistributedError, HardwareError, TurbotrainError
+from .guards import Guards, ShadowCheck, StepSkipped
 from .optim_layout import bind_optimizer, check_optimizer_params, load_stock_state_dict, stock_state_dict
 from .plan import ApplyContext, ModelPlan, StepContext, Transform, find_head
 from .precision import Precision, warn_misaligned
@@ -60,6 +61,8 @@ class StepStats:
     """Global L2 norm of the unscaled gradients (when clipping or track_grad_norm)."""
     recompiles: int = 0
     """Graphs torch.compile built after the first step (compile=True): 0 while shapes are stable."""
+    shadow: ShadowCheck | None = None
+    """The FP32 shadow check run on this micro-batch (Config(guards=...)), on the steps it is due."""
 
 
 def _resolve_device(name: str) -> torch.device:
@@ -86,7 +89,7 @@ def build_transforms(config: Config, device: torch.device) -> list[Transform]:
     if config.parallel is not None:
         from .parallel import ParallelTransform
 
-        out.append(ParallelTransform(config.parallel, keep_fp32_head=config.keep_fp32_head))
+        out.append(ParallelTransform(config.parallel, keep_fp32_head=config.keep_fp32_head, compile=config.compile))
     if config.data_parallel is not None:
         from .comm.transform import DataParallelTransform
 
@@ -95,6 +98,8 @@ def build_transforms(config: Config, device: torch.device) -> list[Transform]:
         from .fusion.compile import CompileTransform
 
         out.append(CompileTransform())
+    if config.guards is not None:
+        out.append(Guards(config.guards))
     return out
 
 
@@ -150,6 +155,8 @@ class Engine:
             device = t.place(device)
         self.device = device
         self.precision: Precision = self._transform("precision")
+        self.guards: Guards | None = self._transform("guards")
+        """The guards (Config(guards=...)): ``engine.guards.last`` is the latest FP32 shadow check."""
         self.plan = ModelPlan()
         self.module = model.to(device)
         """The model itself (unwrapped from DDP and compile); its state_dict is the stock layout."""
@@ -275,6 +282,8 @@ class Engine:
         b = self._prepare_batch(batch)
         try:
             return self._step(b)
+        except StepSkipped as skipped:  # the guards absorbed an inf/NaN step (GuardConfig(heal=True))
+            return self._skip_absorbed(skipped)
         except BaseException as exc:
             self._drop_gradients()
             self._micro = 0
@@ -297,6 +306,8 @@ class Engine:
                 warn_misaligned(self.module, b.size)
         micro = self._micro
         closes_step = micro + 1 == cfg.accumulate
+        guards = self.guards
+        shadow_rng = guards.begin(self, b, micro) if guards is not None else None  # set only when a check is due
         with contextlib.ExitStack() as stack:
             for t in self.transforms:
                 stack.enter_context(t.accumulate_context(closes_step))
@@ -310,6 +321,8 @@ class Engine:
         if cfg.nan_check:
             self._check_finite(loss, b)
         stats = StepStats(loss=loss.detach(), micro_step=micro, step=self.steps, optimizer_stepped=closes_step)
+        if shadow_rng is not None:
+            stats.shadow = guards.shadow_check(self, b, loss, shadow_rng)
         if closes_step:
             self._optimizer_step(stats)
         self._micro = 0 if closes_step else micro + 1
@@ -352,6 +365,8 @@ class Engine:
                 t.after_optimizer_step()
             if self.scheduler is not None:
                 self.scheduler.step()
+        if ctx.found_inf is not None and self.guards is not None:  # healing may switch fp16 -> bf16 here
+            self.guards.after_scaler_update(self, skip, scale)
         self._drop_gradients()
         self.steps += 1
         stats.step = self.steps
@@ -391,10 +406,43 @@ class Engine:
             report = diagnose.find_nonfinite(self.module, self.loss_fn, (batch.args[0], batch.targets),
                                              autocast=self.autocast, loss_scale=scale)
         else:  # the finder calls model(inputs): let it call the model the way the contract does
-            report = diagnose.find_nonfinite(_CallAdapter(self.module), lambda out, _: self.contract.loss(out, batch),
+            report = diagnose.find_nonfinite(ContractCall(self.module), lambda out, *_: self.contract.loss(out, batch),
                                              ((batch.args, batch.kwargs), None), autocast=self.autocast,
                                              loss_scale=scale)
-        raise TurbotrainError(f"inf/NaN appeared at optimizer step {self.steps}.\n{report}")
+        where = ""
+        if self.comm is not None:
+            # DDP: each rank replayed its own batch on the unwrapped module, a local run (DDP's forward, which
+            # arms its reducer, never ran, and autograd.grad runs no AccumulateGrad hooks). A rank that got the
+            # NaN only through the all-reduce finds nothing: every rank reports the lowest rank that found it.
+            import torch.distributed as dist
+
+            reports = [None] * self.comm.world_size
+            dist.all_gather_object(reports, report, group=self.comm.group)
+            origin = next((r for r, rep in enumerate(reports) if rep), None)
+            report = reports[origin] if origin is not None else report  # the guards decide alike on every rank
+            lines = [f"  rank {r}: " + (str(rep).splitlines()[0] if rep else "nothing in its own replay (another "
+                                        "rank's inf/NaN reached it through the gradient exchange or the agreed flag)")
+                     for r, rep in enumerate(reports)]
+            where = (f" of a {len(reports)}-rank data-parallel run; every rank stopped at this step\n"
+                     + "\n".join(lines) + (f"\nthe report of rank {origin}" if origin is not None else ""))
+        self._on_nonfinite(report, loss)
+        raise TurbotrainError(f"inf/NaN appeared at optimizer step {self.steps}{where}.\n{report}")
+
+    def _on_nonfinite(self, report, loss: torch.Tensor) -> None:
+        """Let the guards heal and skip an inf/NaN step (they raise StepSkipped); return to raise as before."""
+        if self.guards is not None:
+            self.guards.on_nonfinite(self, report, loss)
+
+    def _skip_absorbed(self, skipped: StepSkipped) -> StepStats:
+        """The guards absorbed an inf/NaN micro-batch: its optimizer step is dropped and counted as skipped."""
+        micro = self._micro
+        self._drop_gradients()
+        self._micro = 0
+        self.steps += 1
+        self.skipped_steps += 1
+        scaler = self.precision.scaler
+        return StepStats(loss=skipped.loss, micro_step=micro, step=self.steps, optimizer_stepped=True, skipped=True,
+                         skip_reason=skipped.reason, loss_scale=scaler.scale if scaler is not None else None)
 
     # -- evaluation ----------------------------------------------------------------------------
     @torch.no_grad()
@@ -575,15 +623,3 @@ def _lost_peer(exc: BaseException) -> Optional[str]:
 
 def _qualname(obj) -> str:
     return f"{type(obj).__module__}.{type(obj).__qualname__}"
-
-
-class _CallAdapter(nn.Module):
-    """Lets the NaN finder call the model the way the batch contract does."""
-
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.inner = model
-
-    def forward(self, call):
-        args, kwargs = call
-        return self.inner(*args, **kwargs)

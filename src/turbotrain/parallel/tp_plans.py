@@ -74,6 +74,9 @@ class TPLayout:
     ``view(*shape, -1, head_dim)``)."""
     attention_kwarg: str | None = None
     """The keyword the block passes the attention its input by (HF: hidden_states=), else positional."""
+    compiles: bool = True
+    """False where torch.compile over this plan was measured to train wrong, so the Engine refuses
+    ``compile=True`` with tensor parallel on it rather than train a wrong model."""
 
 
 _LAYOUTS: list[TPLayout] = []
@@ -273,7 +276,10 @@ for _layout in (
     TPLayout("Hugging Face Llama (LlamaForCausalLM)", _is_hf_llama, "model.layers", "self_attn",
              ("q_proj", "k_proj", "v_proj"), "o_proj", "mlp", ("gate_proj", "up_proj"), "down_proj",
              ("input_layernorm", "post_attention_layernorm"), "model.embed_tokens", "model.norm", "lm_head",
-             _hf_heads, None, attention_kwarg="hidden_states"),
+             _hf_heads, None, attention_kwarg="hidden_states",
+             # torch 2.13, tp=2 + sequence parallel, compile=True: the first loss matches eager, then the
+             # compiled run's loss rises while eager's falls (wrong gradients; tests/test_parallel_compile.py)
+             compiles=False),
 ):
     _LAYOUTS.insert(0, _layout)
 del _layout

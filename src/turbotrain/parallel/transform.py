@@ -103,11 +103,13 @@ class ParallelTransform(Transform):
 
     name = "parallel"
 
-    def __init__(self, config: ParallelConfig, keep_fp32_head: bool = False):
+    def __init__(self, config: ParallelConfig, keep_fp32_head: bool = False, compile: bool = False):
         if not isinstance(config, ParallelConfig):
             raise ConfigError(f"ParallelTransform needs a turbotrain.parallel.ParallelConfig, got {config!r}")
         self.config = config
         self.keep_fp32_head = keep_fp32_head
+        self.compile = compile
+        """Config.compile: refused with tensor parallel on a layout that does not compile right."""
         self.degrees: ResolvedDegrees | None = None
         self.mesh = None
         """The DeviceMesh once placed."""
@@ -144,6 +146,11 @@ class ParallelTransform(Transform):
 
             layout = find_layout(model)
             check_model(model, layout, self.degrees.tp)  # a model the plan cannot split fails before any collective
+            if self.compile and not layout.compiles:
+                raise ConfigError(
+                    f"compile=True with tensor parallel (tp={self.degrees.tp}) trains the {layout.family} plan wrong "
+                    "in this torch (the compiled losses leave the eager ones from the third step); use "
+                    "compile=False with tp, or shard with FSDP2 alone (ParallelConfig(dp_shard=...)), which compiles")
         before = dict(model.named_parameters())
         norms_before = {n for n, p in before.items() if p in plan.norm_params}
         norm_modules = _norm_modules(model, plan.norm_params)  # before tensor parallel replaces their weights

@@ -17,7 +17,7 @@ import warnings
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map_only
+from torch.utils._pytree import tree_flatten, tree_map_only
 
 from ..errors import ConfigError, HardwareError
 from ..plan import ApplyContext, ModelPlan, StepContext, Transform
@@ -91,6 +91,12 @@ class Precision(Transform):
         self.keep_fp32_head = keep_fp32_head
         self.scaler = DynamicLossScaler(loss_scale) if self.dtype is torch.float16 else None
         self._pairs: list[tuple[nn.Parameter, nn.Parameter]] = []  # (model param, FP32 master)
+        self._model: nn.Module | None = None
+        self._fp32_view = False
+        self.fp32_modules: list[str] = []
+        """Modules moved to FP32 while training (the runtime keep-list; guards.py heals with it)."""
+        self.switched_from: str | None = None
+        """The fp16 mode this run started in, once it switched to bf16 while training."""
         self._check_hardware(device)
 
     def _check_hardware(self, device: torch.device) -> None:
@@ -119,9 +125,13 @@ class Precision(Transform):
 
     # -- the transform -----------------------------------------------------------------------
     def describe(self) -> str:
-        return f"precision {self.mode} ({self.reason})"
+        runtime = f"; FP32 since training began: {', '.join(p or '<model>' for p in self.fp32_modules)}" \
+            if self.fp32_modules else ""
+        switched = f"; switched from {self.switched_from}" if self.switched_from else ""
+        return f"precision {self.mode} ({self.reason}){switched}{runtime}"
 
     def apply(self, model: nn.Module, plan: ModelPlan, ctx: ApplyContext) -> None:
+        self._model = model
         if not self.master or self.sharded:
             return
         keep = set(plan.norm_params)
@@ -142,13 +152,19 @@ class Precision(Transform):
                 # index buffers (position ids) are not floating; RoPE's inv_freq is kept FP32 like a norm
                 if buf.is_floating_point() and "inv_freq" not in name:
                     setattr(module, name, buf.to(self.dtype))
-        model.register_forward_pre_hook(_cast_inputs(self.dtype), with_kwargs=True)
+        model.register_forward_pre_hook(self._cast_model_inputs, with_kwargs=True)
         for module in norm_modules - {m for m in norm_modules if isinstance(m, KEEP_FP32_MODULES)}:
             # A hand-written norm (HF's LlamaRMSNorm) multiplies its FP32 weight into the result, which
             # promotes it to FP32; hand the next matmul the dtype the norm was given, as torch's do.
             module.register_forward_hook(_output_like_input)
         if self.keep_fp32_head and plan.head is not None:
             plan.head.register_forward_pre_hook(_cast_inputs(torch.float32), with_kwargs=True)
+
+    def _cast_model_inputs(self, module, args, kwargs):
+        """The model's inputs in the run's dtype (read at every call: the dtype may switch fp16 -> bf16)."""
+        if self._fp32_view:  # fp32_compute(): the model runs on its FP32 masters
+            return None
+        return _cast_inputs(self.dtype)(module, args, kwargs)
 
     def broadcast_masters(self, src: int = 0, group=None) -> None:
         """Make every data-parallel rank's FP32 masters equal to rank ``src``'s (then copy back)."""
@@ -203,8 +219,7 @@ class Precision(Transform):
             m.grad = None
 
     @contextlib.contextmanager
-    def full_precision_weights(self):
-        """Temporarily let the model's parameters be the FP32 masters (for state_dict save/load)."""
+    def _masters_as_weights(self):
         saved = [(p, p.data) for p, _ in self._pairs]
         for p, m in self._pairs:
             p.data = m.data
@@ -213,16 +228,80 @@ class Precision(Transform):
         finally:
             for p, data in saved:
                 p.data = data
+
+    @contextlib.contextmanager
+    def full_precision_weights(self):
+        """Temporarily let the model's parameters be the FP32 masters (for state_dict save/load)."""
+        try:
+            with self._masters_as_weights():
+                yield
+        finally:
             self.after_optimizer_step()
+
+    @contextlib.contextmanager
+    def fp32_compute(self):
+        """Let the model compute as an FP32 model for a while (the guards' FP32 shadow check): the masters
+        as weights, FP32 buffers, inputs not cast. The caller enters no autocast; nothing is copied back."""
+        buffers = [(m, name, b) for m in (self._model.modules() if self._model is not None else ())
+                   for name, b in m.named_buffers(recurse=False) if b is not None and b.dtype in _DTYPES.values()]
+        with self._masters_as_weights():
+            for m, name, b in buffers:
+                setattr(m, name, b.float())
+            self._fp32_view = True
+            try:
+                yield
+            finally:
+                self._fp32_view = False
+                for m, name, b in buffers:
+                    setattr(m, name, b)
+
+    # -- changes while training (guards.py) --------------------------------------------------
+    def keep_module_fp32(self, path: str) -> None:
+        """From now on run the module at ``path`` ('' for the whole model) in FP32: its parameters are its
+        FP32 masters themselves (the optimizer is not touched), its buffers FP32, its inputs upcast, autocast
+        off inside it; outputs go back to the input's low dtype in the master modes (the next layer's)."""
+        if self._model is None or self.dtype is None or path in self.fp32_modules:
+            return
+        module = self._model.get_submodule(path)
+        own = set(module.parameters())
+        for p, m in self._pairs:
+            if p in own:
+                p.data = m.data  # shared storage: the optimizer's update is the module's weight
+        for sub in module.modules():
+            for name, b in sub.named_buffers(recurse=False):
+                if b is not None and b.dtype in _DTYPES.values():
+                    setattr(sub, name, b.float())
+        module.forward = _Fp32Forward(module.forward, self.device.type, cast_back=self.master)
+        self.fp32_modules.append(path)
+
+    def switch_to_bf16(self) -> None:
+        """fp16 -> bf16 while training: bf16 has FP32's exponent range, so no loss scaling is needed."""
+        if self.dtype is not torch.float16:
+            return
+        self.switched_from, self.mode = self.mode, "bf16-" + self.mode.split("-", 1)[1]
+        self.dtype, self.scaler = torch.bfloat16, None
+        healed = {p for path in self.fp32_modules for p in self._model.get_submodule(path).parameters()}
+        for p, m in self._pairs:
+            if p not in healed:
+                p.data = m.data.to(torch.bfloat16)
+        for module in self._model.modules() if self._model is not None else ():
+            for name, b in module.named_buffers(recurse=False):
+                if b is not None and b.dtype is torch.float16:
+                    setattr(module, name, b.to(torch.bfloat16))
 
     @property
     def master_params(self) -> list[nn.Parameter]:
         return [m for _, m in self._pairs]
 
     def state_dict(self) -> dict:
-        return {"mode": self.mode, "scaler": self.scaler.state_dict() if self.scaler else None}
+        return {"mode": self.mode, "scaler": self.scaler.state_dict() if self.scaler else None,
+                "fp32_modules": list(self.fp32_modules), "switched_from": self.switched_from}
 
     def load_state_dict(self, state: dict) -> None:
+        if state.get("switched_from") is not None and state["switched_from"] == self.mode != state.get("mode"):
+            self.switch_to_bf16()  # the run switched while training: resume it the way it ran
+            logger.info("precision: resumed in %s (the checkpointed run switched from %s)", self.mode,
+                        self.switched_from)
         if state.get("mode") not in (None, self.mode):
             raise ConfigError(
                 f"checkpoint was trained with precision={state['mode']!r} but this Engine uses "
@@ -230,6 +309,40 @@ class Precision(Transform):
             )
         if self.scaler and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
+        for path in state.get("fp32_modules") or ():
+            self._restore_fp32_module(path)
+
+    def _restore_fp32_module(self, path: str) -> None:
+        try:
+            self.keep_module_fp32(path)
+        except AttributeError:
+            warnings.warn(f"the checkpoint ran module {path!r} in FP32, but this model has no such module (another "
+                          "architecture or fusion setting?); it runs in the run's precision", stacklevel=4)
+            return
+        logger.info("precision: %s runs in FP32, as in the checkpointed run", path or "<model>")
+
+
+class _Fp32Forward:
+    """A module's forward run in FP32: low-precision inputs upcast, autocast off; with ``cast_back``,
+    floating outputs go back to the dtype of the first low-precision input."""
+
+    def __init__(self, forward, device_type: str, cast_back: bool):
+        self.forward, self.device_type, self.cast_back = forward, device_type, cast_back
+
+    def __call__(self, *args, **kwargs):
+        low = next((t.dtype for t in tree_flatten((args, kwargs))[0]
+                    if isinstance(t, torch.Tensor) and t.dtype in _DTYPES.values()), None)
+        if low is not None:
+            args, kwargs = tree_map_only(torch.Tensor, _to_fp32, (args, kwargs))
+        with torch.autocast(self.device_type, enabled=False):
+            out = self.forward(*args, **kwargs)
+        if low is not None and self.cast_back:
+            out = tree_map_only(torch.Tensor, lambda t: t.to(low) if t.dtype is torch.float32 else t, out)
+        return out
+
+
+def _to_fp32(t: torch.Tensor) -> torch.Tensor:
+    return t.float() if t.dtype in _DTYPES.values() else t
 
 
 def _cuda_bf16_native(device: torch.device) -> bool:
