@@ -24,7 +24,7 @@ import turbotrain
 
 SRC = Path(turbotrain.__file__).resolve().parent
 #: The harness: it may import the library; the library may not import it.
-HARNESS = ("turbotrain.bench", "turbotrain.cli")
+HARNESS = ("turbotrain.bench", "turbotrain.cli", "turbotrain.tune")
 #: What `import turbotrain` may load from comm/: the package (whose __init__ is lazy) and the config
 #: dataclass Config needs.
 COMM_ALLOWED = {"turbotrain.comm", "turbotrain.comm.config"}

@@ -59,7 +59,8 @@ __all__ = [
 ]
 
 #: Modules whose import registers configs; load_config_modules() imports them (and the plugins).
-CONFIG_MODULES = ("turbotrain.bench.peers", "turbotrain.bench.tt")
+#: turbotrain.tune.row: rows built from a whole Config (tune candidates, ``bench --config-file``).
+CONFIG_MODULES = ("turbotrain.bench.peers", "turbotrain.bench.tt", "turbotrain.tune.row")
 COMPUTE_DTYPES = ("fp32", "bf16", "fp16")
 #: The fp32 row: speed-ups, val-loss deltas and every row's loss check are relative to it.
 BASELINE = "fp32-eager"

@@ -24,6 +24,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -143,16 +144,26 @@ def _failed(reply: dict, partial: dict | None = None) -> dict:
 
 
 def run_interleaved(specs: dict[str, WorkerSpec], steps_per_round: list[int], workdir: Path, timeout: float,
-                    live=None, on_update=None) -> dict[str, dict]:
+                    live=None, on_update=None, admit=None, deadline: float | None = None,
+                    setup_timeout=None) -> dict[str, dict]:
     """Run every row's worker through setup, the rounds and finish; one result dict per row.
 
     ``live`` (optional) gets ``phase(row, text)``, ``event(row, message)`` and ``update(results)``;
     ``on_update(results)`` runs after every setup and every round (the ladder rewrites its JSON
     there, so a crash or a kill keeps what was measured).
+
+    A time budget (turbotrain tune): ``admit(row, results)`` is asked before each row is started;
+    a reason string leaves the row out (``{"status": "skipped", "reason": ...}``), None admits it.
+    With ``admit`` each worker starts only once admitted (else all start at once, so their imports
+    overlap). No round starts after ``deadline`` (a time.monotonic() value, or a function returning
+    one, asked before each round). ``setup_timeout(row)``
+    bounds that row's start, build and warm-up together (else ``timeout`` bounds each).
     """
     rows = list(specs)
     results: dict[str, dict] = {}
-    workers = {row: WorkerProcess(row, specs[row], workdir) for row in rows}  # imports overlap; nothing is timed yet
+    workers: dict[str, WorkerProcess] = {}
+    if admit is None:  # imports overlap; nothing is timed yet
+        workers = {row: WorkerProcess(row, specs[row], workdir) for row in rows}
 
     def notify():
         if live:
@@ -162,25 +173,39 @@ def run_interleaved(specs: dict[str, WorkerSpec], steps_per_round: list[int], wo
 
     try:
         for row in rows:
+            if admit is not None:
+                reason = admit(row, results)
+                if reason is not None:
+                    results[row] = {"status": "skipped", "reason": reason}
+                    notify()
+                    continue
+                workers[row] = WorkerProcess(row, specs[row], workdir)
             if live:
                 live.phase(row, "starting worker")
-            ready = workers[row].wait_ready(timeout)
+            started = time.monotonic()
+            limit = setup_timeout(row) if setup_timeout is not None else None
+            ready = workers[row].wait_ready(timeout if limit is None else limit)
             if not ready["ok"]:
                 results[row] = _failed(ready)
                 notify()
                 continue
             if live:
                 live.phase(row, "build and warm-up")
-            reply = workers[row].request({"cmd": "setup"}, timeout,
+            left = timeout if limit is None else max(1.0, limit - (time.monotonic() - started))
+            reply = workers[row].request({"cmd": "setup"}, left,
                                          on_event=(lambda m, row=row: live.event(row, m)) if live else None)
             if reply.get("ok"):
                 results[row] = {"status": "running", "config": specs[row].config, "compute_dtype": reply["compute_dtype"],
                                 "build_seconds": reply["build_seconds"], "warmup_seconds": reply["warmup_seconds"],
+                                "warmup_step_seconds": reply.get("warmup_step_seconds", []),
+                                "setup_wall_seconds": time.monotonic() - started,
                                 "losses": reply["losses"], "round_seconds": []}
             else:
                 results[row] = _failed(reply)
             notify()
         for r, steps in enumerate(steps_per_round):
+            if deadline is not None and time.monotonic() > (deadline() if callable(deadline) else deadline):
+                break
             for row in round_order([n for n in rows if results[n]["status"] == "running"], r):
                 if live:
                     live.phase(row, f"round {r + 1}/{len(steps_per_round)}")

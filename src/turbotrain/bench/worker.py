@@ -12,7 +12,8 @@ in a file, so it can never be taken for a reply.
     parent -> worker                        worker -> parent
                                             {"event": "ready"}
     {"cmd": "setup"}                        {"event": "progress", "done": i, "total": n} ...
-                                            {"ok": true, "compute_dtype": ..., "build_seconds": ..., "losses": [...]}
+                                            {"ok": true, "compute_dtype": ..., "build_seconds": ...,
+                                             "warmup_step_seconds": [...], "losses": [...]}
     {"cmd": "run", "steps": k}              {"ok": true, "seconds": [...], "losses": [...]}
     {"cmd": "finish"}                       {"ok": true, "val_loss": ..., "peak_memory_bytes": ..., ...}
     {"cmd": "quit"}                         (exits)
@@ -37,6 +38,7 @@ pages would otherwise count as training memory. Peaks shorter than 5 ms can be m
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -53,7 +55,7 @@ from ..profile.counting import OpCounter
 from ..utils import atomic_write, sync_device
 
 __all__ = ["WorkerSpec", "RowSession", "serve", "load_workload", "fixed_batches", "RssSampler", "CPU_MEMORY_METHOD",
-           "CUDA_MEMORY_METHOD", "error_result", "write_result"]
+           "CUDA_MEMORY_METHOD", "error_result", "write_result", "load_payload"]
 
 CPU_MEMORY_METHOD = "peak anonymous RSS of the worker above its value before the model was built (5 ms sampling)"
 CUDA_MEMORY_METHOD = "torch.cuda.max_memory_allocated() during build, warm-up and measured steps"
@@ -74,6 +76,12 @@ class WorkerSpec:
     """Workload settings changed from its defaults (quick mode shrinks the model)."""
     threads: int | None = None
     """torch intra-op threads; the parent passes its own so peaks and rows use the same count."""
+    engine_config: dict | None = None
+    """A Config.to_dict() the row is built from (config 'tt-config': turbotrain tune's candidates)."""
+    payload: str | None = None
+    """A file turbotrain.tune wrote (load_payload) holding a user's workload, used instead of ``workload``."""
+    count_ops: bool = True
+    """Count the ATen ops of one more step at finish (the fusion ablation); tune turns it off."""
 
 
 def load_workload(name: str, overrides: dict | None = None):
@@ -81,6 +89,37 @@ def load_workload(name: str, overrides: dict | None = None):
     from ..workloads import get_workload
 
     return get_workload(name, **(overrides or {}))
+
+
+def load_payload(path: str):
+    """The workload object in a file turbotrain.tune wrote: ``{"sys_path", "main_path", "workload"}``.
+
+    The user's functions are pickled by reference, so the paths they were imported from are put on
+    sys.path before they are unpickled. Functions of the user's script (module ``__main__``) are
+    found by running that script as ``__mp_main__``, as multiprocessing's spawn does: its top level
+    runs again, so the script must keep its work under ``if __name__ == "__main__":``.
+    """
+    import io
+    import pickle
+    import runpy
+    import types
+
+    data = pickle.loads(Path(path).read_bytes())
+    for entry in reversed(data["sys_path"]):
+        if entry not in sys.path:
+            sys.path.insert(0, entry)
+
+    class Unpickler(pickle.Unpickler):
+        def find_class(self, module, name):
+            if module == "__main__" and data.get("main_path"):
+                if "__mp_main__" not in sys.modules:
+                    main = types.ModuleType("__mp_main__")
+                    main.__dict__.update(runpy.run_path(data["main_path"], run_name="__mp_main__"))
+                    sys.modules["__mp_main__"] = main
+                module = "__mp_main__"
+            return super().find_class(module, name)
+
+    return Unpickler(io.BytesIO(data["workload"])).load()
 
 
 def fixed_batches(workload, split: str, count: int, seed: int, device: str) -> list:
@@ -171,9 +210,11 @@ class RowSession:
         spec = self.spec
         if spec.threads:
             torch.set_num_threads(spec.threads)
-        self.workload = load_workload(spec.workload, spec.overrides)
+        self.workload = load_payload(spec.payload) if spec.payload else load_workload(spec.workload, spec.overrides)
         self.stream = self.workload.batches(split="train", seed=spec.seed, device=spec.device)
         build = get_config(spec.config).build
+        if spec.engine_config is not None:
+            build = functools.partial(build, engine_config=spec.engine_config)
         self.cuda = spec.device == "cuda"
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
@@ -188,12 +229,13 @@ class RowSession:
             raise ConfigError(f"config {spec.config!r} built a trainer whose compute_dtype is {dtype!r}; "
                               f"set it to one of {COMPUTE_DTYPES}")
         t0 = time.perf_counter()
+        warmup_steps = []
         for i in range(spec.warmup):
-            self._timed_step()
+            warmup_steps.append(self._timed_step()[0])
             self.progress(i + 1, spec.warmup)
         self.rss.pause()
         return {"compute_dtype": dtype, "build_seconds": build_s, "warmup_seconds": time.perf_counter() - t0,
-                "losses": list(self.losses)}
+                "warmup_step_seconds": warmup_steps, "losses": list(self.losses)}
 
     def run(self, steps: int) -> dict:
         self.rss.resume()
@@ -210,7 +252,8 @@ class RowSession:
         peak = torch.cuda.max_memory_allocated() - self.base_cuda if self.cuda else self.rss.peak - self.rss.baseline
         val = fixed_batches(self.workload, "val", spec.val_batches, spec.seed, spec.device)
         val_loss = self.trainer.eval_loss(val)
-        op_count = None if getattr(self.trainer, "compiled", False) else count_step_ops(self.trainer, next(self.stream))
+        counted = spec.count_ops and not getattr(self.trainer, "compiled", False)
+        op_count = count_step_ops(self.trainer, next(self.stream)) if counted else None
         return {"val_loss": val_loss, "ops_per_step": op_count, "peak_memory_bytes": peak,
                 "rss_baseline_bytes": self.rss.baseline, "rss_peak_bytes": self.rss.peak}
 

@@ -21,7 +21,7 @@ __all__ = ["main", "build_parser", "configure_logging"]
 
 #: Modules of this package that each define ``add_parsers(subparsers, parents)``, in the order
 #: ``turbotrain --help`` lists their commands.
-_COMMAND_MODULES = ("bench", "env", "profile", "diagnose", "comm", "ckpt")
+_COMMAND_MODULES = ("bench", "tune", "env", "profile", "diagnose", "comm", "ckpt")
 
 
 def _verbosity_parser(default) -> argparse.ArgumentParser:
