@@ -1,3 +1,4 @@
+import json
 import subprocess
 import sys
 import time
@@ -121,9 +122,15 @@ def _tiny_workload():
 
 
 @pytest.mark.parametrize("name", [c.name for c in registry.list_configs() if c.group in ("peer", "turbotrain")])
-def test_every_row_steps_the_ladders_one_optimizer(name):
+def test_every_row_steps_the_ladders_one_optimizer(name, tmp_path, monkeypatch):
     """No row is credited with another's optimizer: peers and Engine rows alike step a fused AdamW
     with the shared settings (building is cheap: compilation waits for the first step)."""
+    from turbotrain import Config
+    from turbotrain.tune.row import TUNED_ENV, TUNED_ROW
+
+    if name == TUNED_ROW:  # the row of `bench --config-file`: a Config from a file
+        (tmp_path / "tuned.json").write_text(json.dumps(Config(precision="fp32", accumulate=2).to_dict()))
+        monkeypatch.setenv(TUNED_ENV, str(tmp_path / "tuned.json"))
     trainer = registry.get_config(name).build(_tiny_workload(), "cpu")
     optimizer = trainer.optimizer
     assert type(optimizer) is torch.optim.AdamW
