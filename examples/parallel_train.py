@@ -105,6 +105,7 @@ def main() -> None:
     if rank == 0:
         print(f"parallel_train: mode={args.mode} model={args.model} world={world} "
               f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {args.steps} steps", flush=True)
+    dist.barrier()  # every rank done with its collectives before the group goes
     dist.destroy_process_group()
 
 
