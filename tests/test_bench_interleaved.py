@@ -386,3 +386,22 @@ def test_quick_results_schema(quick_run):
     # bf16 autocast of the same weights on the same first batch: ~3 significant digits of ~9 nats
     assert results["configs"]["torch-amp"]["losses"][0] == pytest.approx(results["configs"]["fp32-eager"]["losses"][0],
                                                                          abs=0.05)
+
+
+def test_the_tuned_row_is_compared_with_the_fastest_other_turbotrain_row():
+    def row(seconds, group="turbotrain", ratio=1.0, jitter=(1.0, 1.02, 0.99, 1.01)):
+        return {"status": "ok", "group": group, "ratio_vs_ref": ratio,
+                "round_seconds": [[seconds * j] for j in jitter]}
+
+    configs = {"torch-compile-step": row(1.0, "peer"), "tt-fused": row(0.9, ratio=1.11),
+               "tt-bf16-master": row(1.2, ratio=0.83), "tt-tuned": row(0.9, jitter=(1.02, 0.99, 1.0, 1.01))}
+    (note,) = runner.tuned_row_notes({"configs": configs})
+    assert "tt-fused:" in note and "not distinguishable" in note  # same median, rounds that disagree
+    configs["tt-tuned"] = row(0.6)
+    (note,) = runner.tuned_row_notes({"configs": configs})
+    assert "1.500x" in note and note.endswith("faster")
+    configs["tt-tuned"] = row(1.2)
+    (note,) = runner.tuned_row_notes({"configs": configs})
+    assert "0.750x" in note and note.endswith("slower")
+    del configs["tt-tuned"]
+    assert runner.tuned_row_notes({"configs": configs}) == []  # no tuned row: nothing to say

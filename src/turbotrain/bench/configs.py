@@ -67,6 +67,8 @@ BASELINE = "fp32-eager"
 #: The strongest peer (torch.compile over the training step): every row's ratio_vs_ref, with its
 #: bootstrap interval, is taken against it, and it runs twice (the A/A pair) to show the noise.
 REFERENCE = "torch-compile-step"
+#: The row ``bench --config-file`` adds with the Config of a file (turbotrain tune's choice).
+TUNED_ROW = "tt-tuned"
 #: Separates a config name from an instance number in a row name: ``torch-compile-step#2`` is the
 #: second worker of that config (the A/A row). Reserved, so no config name may contain it.
 INSTANCE_MARK = "#"

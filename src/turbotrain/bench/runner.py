@@ -13,13 +13,13 @@ import torch
 from ..errors import check_positive
 from ..hardware import environment_report, print_environment, resolve_device
 from ..utils import check_output_dir, require
-from .configs import (BASELINE, INSTANCE_MARK, OPTIMIZER_IMPLEMENTATION, OPTIMIZER_SETTINGS, REFERENCE, default_configs,
-                      get_config, list_configs, resolve_names)
+from .configs import (BASELINE, INSTANCE_MARK, OPTIMIZER_IMPLEMENTATION, OPTIMIZER_SETTINGS, REFERENCE, TUNED_ROW,
+                      default_configs, get_config, list_configs, resolve_names)
 from .console import escape, make_console
 from .flops import FLOP_CONVENTIONS, profile_step
 from .interleave import run_interleaved, split_steps
 from .peak import matmul_peaks
-from .report import train_loss_window
+from .report import ratio_to_reference, train_loss_window
 from .stats import BOOTSTRAP_RESAMPLES, slow_dtypes
 from .worker import CPU_MEMORY_METHOD, CUDA_MEMORY_METHOD, WorkerSpec, fixed_batches, load_workload
 
@@ -254,6 +254,9 @@ def run_ladder(settings: LadderSettings, out_dir: str | Path, console=None) -> d
     for note in _implausible_mfu(results) + _ratio_notes(results):
         header["notes"].append(note)
         console.print(f"[yellow]warning[/] {escape(note)}")
+    for note in tuned_row_notes(results):
+        header["notes"].append(note)
+        console.print(f"[bold]tuned[/] {escape(note)}")
     for name, config in results["configs"].items():
         if config.get("status") == "FAILED":
             console.print(f"[bold red]FAILED[/] {escape(name)}: {escape(config['loss_check']['message'])}")
@@ -293,6 +296,31 @@ def _ratio_notes(results: dict) -> list[str]:
             notes.append(f"peer {name} measured faster than the reference {run['reference']} "
                          f"({config['ratio_vs_ref']:.2f}x, interval {ci[0]:.2f}-{ci[1]:.2f})")
     return notes
+
+
+def tuned_row_notes(results: dict) -> list[str]:
+    """The tuned row against the fastest other turbotrain row of the same ladder, paired over rounds.
+
+    This is the comparison ``turbotrain tune`` promises to win or tie: its ratio (> 1: the tuned
+    config is faster) with the 95% bootstrap interval, and whether the interval separates them.
+    """
+    configs = results["configs"]
+    tuned = configs.get(TUNED_ROW)
+    if not tuned or tuned.get("status") not in ("ok", "FAILED") or not tuned.get("round_seconds"):
+        return []
+    others = {name: c for name, c in configs.items()
+              if name != TUNED_ROW and c.get("group") == "turbotrain" and c.get("status") == "ok"
+              and c.get("ratio_vs_ref") is not None}
+    if not others:
+        return []
+    best = max(others, key=lambda name: others[name]["ratio_vs_ref"])
+    ratio, ci = ratio_to_reference(tuned, others[best])
+    if ratio is None:
+        return []
+    verdict = ("faster" if ci[0] > 1 else "slower" if ci[1] < 1
+               else "not distinguishable within the noise (the interval holds 1.0)")
+    return [f"{TUNED_ROW} against the fastest other turbotrain row, {best}: {ratio:.3f}x "
+            f"(95% interval {ci[0]:.3f}-{ci[1]:.3f}, paired over rounds): {verdict}"]
 
 
 def _implausible_mfu(results: dict) -> list[str]:

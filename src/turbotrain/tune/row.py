@@ -22,14 +22,13 @@ import torch
 
 from ..config import Config
 from ..errors import ConfigError
-from ..bench.configs import make_optimizer, register_config
+from ..bench.configs import TUNED_ROW, make_optimizer, register_config
 from ..bench.tt import EngineTrainer
 
 __all__ = ["ConfigTrainer", "split_batch", "register_tuned_row", "forget_tuned_row", "load_config_file", "TUNED_ENV", "TUNED_ROW",
            "CONFIG_ROW"]
 
 TUNED_ENV = "TURBOTRAIN_TUNED_CONFIG"
-TUNED_ROW = "tt-tuned"
 CONFIG_ROW = "tt-config"
 _DTYPE_NAMES = {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
