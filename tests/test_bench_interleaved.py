@@ -81,7 +81,7 @@ class FakeWorker:
     fail_in_round: dict = {}
 
     def __init__(self, row, spec, workdir):
-        self.row, self.rounds = row, 0
+        self.row, self.rounds, self.val = row, 0, None
 
     def wait_ready(self, timeout):
         return {"ok": True}
@@ -95,7 +95,10 @@ class FakeWorker:
             if FakeWorker.fail_in_round.get(self.row) == self.rounds:
                 return {"ok": False, "error": "RuntimeError: out of memory"}
             return {"ok": True, "seconds": [0.5] * command["steps"], "losses": [8.0] * command["steps"]}
-        return {"ok": True, "val_loss": 7.5, "ops_per_step": None, "peak_memory_bytes": 1,
+        if command["cmd"] == "val":  # as the worker: the loss where the run stands, kept for finish
+            self.val = 7.0 + self.rounds
+            return {"ok": True, "val_loss": self.val}
+        return {"ok": True, "val_loss": 7.5 if self.val is None else self.val, "ops_per_step": None, "peak_memory_bytes": 1,
                 "rss_baseline_bytes": 0, "rss_peak_bytes": 1}
 
     def close(self):
@@ -118,6 +121,35 @@ def test_parent_builds_every_row_first_then_alternates_them_round_by_round(monke
     assert results["a"]["losses"] == [9.0] + [8.0] * 4  # warm-up first, then the measured steps
     assert results["c"]["status"] == "error" and "out of memory" in results["c"]["error"]
     assert len(updates) == 3 + 3 + 1  # after every set-up, every round and the end
+
+
+def test_extra_rounds_run_only_the_rows_named_and_stop_when_none_are(monkeypatch, tmp_path):
+    monkeypatch.setattr(interleave, "WorkerProcess", FakeWorker)
+    FakeWorker.log, FakeWorker.fail_in_round = [], {}
+    specs = {row: WorkerSpec(workload="gpt", config="fp32-eager", device="cpu", warmup=1) for row in "abc"}
+    asked = []
+
+    def more(results):  # b and c for two extra rounds, then nobody
+        asked.append(len(results["a"]["round_seconds"]))
+        return ["b", "c"] if len(asked) <= 2 else []
+
+    results = run_interleaved(specs, [1, 1], tmp_path, timeout=5, more=more, max_extra_rounds=5,
+                              deadline=lambda: float("inf"))
+    assert [len(results[r]["round_seconds"]) for r in "abc"] == [2, 4, 4]
+    assert asked == [2, 2, 2]  # a ran no extra round
+    assert all(results[r]["status"] == "ok" for r in "abc")
+    # every val loss was taken after the 2 planned rounds, before any extra one
+    assert [results[r]["val_loss"] for r in "abc"] == [9.0, 9.0, 9.0]
+    commands = [cmd for _, cmd in FakeWorker.log]
+    assert commands[:9] == ["setup"] * 3 + ["run"] * 6 and commands[9:12] == ["val"] * 3
+    assert "val" not in commands[12:]
+    FakeWorker.log = []
+    results = run_interleaved(specs, [1], tmp_path, timeout=5, more=lambda r: ["a"], max_extra_rounds=3,
+                              deadline=lambda: float("inf"))
+    assert results["a"]["rounds"] == 4 and results["b"]["rounds"] == 1  # bounded by max_extra_rounds
+    FakeWorker.log = []
+    results = run_interleaved(specs, [1], tmp_path, timeout=5, more=lambda r: ["a"], max_extra_rounds=3)
+    assert results["a"]["rounds"] == 1  # no deadline, no extra rounds
 
 
 # ---------------------------------------------------------------------------------- bootstrap

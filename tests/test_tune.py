@@ -25,7 +25,7 @@ from turbotrain.tune.prune import estimate_memory, hardware_reasons, order, prun
 from turbotrain.tune.report import build_document, write_reports
 from turbotrain.tune.row import (TUNED_ENV, TUNED_ROW, ConfigTrainer, forget_tuned_row, register_tuned_row,
                                  split_batch)
-from turbotrain.tune.search import TuneSettings, parse_duration, parse_memory, run_tune
+from turbotrain.tune.search import TuneSettings, _Admission, _record, parse_duration, parse_memory, run_tune
 from turbotrain.tune.space import ACCUMULATE_VALUES, FUSION_VALUES, PRECISION_VALUES, enumerate_space
 from turbotrain.tune.user import save_payload, user_workload
 
@@ -361,3 +361,25 @@ def test_a_quick_tune_writes_its_four_files_within_its_budget(tmp_path):
     assert any(c["baseline"] and c["status"] == "measured" for c in doc["candidates"])
     Config.from_json((out / "tuned.json").read_text())
     assert "winner" in proc.stdout and "tuned.json" in proc.stdout
+
+
+def test_extra_rounds_go_to_the_candidates_not_yet_told_from_the_fastest():
+    admission = _Admission({}, "fp32", TuneSettings(), end=0.0, reserve=0.0, rounds_end=0.0)
+
+    def running(centre, spread=0.0, phase=0):
+        return {"status": "running", "round_seconds": [[centre * (1 + spread * (-1) ** (i + phase))] for i in range(6)]}
+
+    # close's rounds swing against fast's, so their paired ratio spans 1.0
+    results = {"fp32": running(2.0), "fast": running(1.0, 0.05), "close": running(1.01, 0.05, phase=1),
+               "slow": running(1.5, 0.01), "broken": {"status": "error"}}
+    assert admission.more(results) == ["fast", "close"]  # slow's interval clears, the baseline takes no part
+    assert admission.contenders == ["fast", "close"]
+    results["close"] = running(1.3, 0.01)
+    assert admission.more(results) == []  # the leader stands alone: no more extra rounds
+
+
+def test_a_candidate_set_up_but_never_measured_is_not_reached_with_the_reason():
+    candidate = enumerate_space(8)[1]
+    base = {"status": "ok", "round_seconds": [[2.0]], "step_seconds": [2.0], "val_loss": 5.0}
+    _record(candidate, {"status": "ok", "round_seconds": [], "step_seconds": []}, base, None)
+    assert candidate.status == "not reached" and "before its first measured round" in candidate.reason

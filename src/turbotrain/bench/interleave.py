@@ -145,7 +145,7 @@ def _failed(reply: dict, partial: dict | None = None) -> dict:
 
 def run_interleaved(specs: dict[str, WorkerSpec], steps_per_round: list[int], workdir: Path, timeout: float,
                     live=None, on_update=None, admit=None, deadline: float | None = None,
-                    setup_timeout=None) -> dict[str, dict]:
+                    setup_timeout=None, more=None, max_extra_rounds: int = 0) -> dict[str, dict]:
     """Run every row's worker through setup, the rounds and finish; one result dict per row.
 
     ``live`` (optional) gets ``phase(row, text)``, ``event(row, message)`` and ``update(results)``;
@@ -158,6 +158,11 @@ def run_interleaved(specs: dict[str, WorkerSpec], steps_per_round: list[int], wo
     overlap). No round starts after ``deadline`` (a time.monotonic() value, or a function returning
     one, asked before each round). ``setup_timeout(row)``
     bounds that row's start, build and warm-up together (else ``timeout`` bounds each).
+
+    Extra rounds (turbotrain tune): after the planned rounds every row takes its val loss (the
+    worker's ``val``), then, while ``deadline`` allows, up to ``max_extra_rounds`` more rounds of the
+    last round's steps run for the rows ``more(results)`` names (the candidates not yet told apart);
+    an empty list ends them. They add timings, never change a val loss.
     """
     rows = list(specs)
     results: dict[str, dict] = {}
@@ -203,12 +208,13 @@ def run_interleaved(specs: dict[str, WorkerSpec], steps_per_round: list[int], wo
             else:
                 results[row] = _failed(reply)
             notify()
-        for r, steps in enumerate(steps_per_round):
-            if deadline is not None and time.monotonic() > (deadline() if callable(deadline) else deadline):
-                break
-            for row in round_order([n for n in rows if results[n]["status"] == "running"], r):
+        def past_deadline() -> bool:
+            return deadline is not None and time.monotonic() > (deadline() if callable(deadline) else deadline)
+
+        def one_round(r: int, steps: int, names: list[str], label: str) -> None:
+            for row in round_order(names, r):
                 if live:
-                    live.phase(row, f"round {r + 1}/{len(steps_per_round)}")
+                    live.phase(row, label)
                 reply = workers[row].request({"cmd": "run", "steps": steps}, timeout)
                 if reply.get("ok"):
                     results[row]["round_seconds"].append(reply["seconds"])
@@ -216,6 +222,30 @@ def run_interleaved(specs: dict[str, WorkerSpec], steps_per_round: list[int], wo
                 else:
                     results[row] = _failed(reply, results[row])
             notify()
+
+        for r, steps in enumerate(steps_per_round):
+            if past_deadline():
+                break
+            one_round(r, steps, [n for n in rows if results[n]["status"] == "running"],
+                      f"round {r + 1}/{len(steps_per_round)}")
+        else:
+            extra_rounds = max_extra_rounds if more is not None and deadline is not None else 0
+            if extra_rounds:
+                # Every row's val loss after the same steps, before the extra rounds train some rows further.
+                for row in [n for n in rows if results[n]["status"] == "running"]:
+                    if live:
+                        live.phase(row, "val loss")
+                    reply = workers[row].request({"cmd": "val"}, timeout)
+                    if reply.get("ok"):
+                        results[row]["val_loss"] = reply["val_loss"]
+                    else:
+                        results[row] = _failed(reply, results[row])
+                notify()
+            for extra in range(extra_rounds):
+                names = [n for n in more(results) if results.get(n, {}).get("status") == "running"]
+                if not names or past_deadline():
+                    break
+                one_round(len(steps_per_round) + extra, steps_per_round[-1], names, f"extra round {extra + 1}")
         for row in rows:
             if results[row]["status"] != "running":
                 continue

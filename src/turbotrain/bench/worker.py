@@ -15,8 +15,13 @@ in a file, so it can never be taken for a reply.
                                             {"ok": true, "compute_dtype": ..., "build_seconds": ...,
                                              "warmup_step_seconds": [...], "losses": [...]}
     {"cmd": "run", "steps": k}              {"ok": true, "seconds": [...], "losses": [...]}
+    {"cmd": "val"}                          {"ok": true, "val_loss": ...}   (optional, before finish)
     {"cmd": "finish"}                       {"ok": true, "val_loss": ..., "peak_memory_bytes": ..., ...}
     {"cmd": "quit"}                         (exits)
+
+``val`` takes the val loss where the run stands and ``finish`` reports that one instead of taking it
+again: turbotrain tune asks for it after the planned rounds, before the extra rounds only some rows
+get, so every row's loss is checked after the same number of steps.
 
 A command that fails replies ``{"ok": false, "error": ..., "traceback": ...}`` and the worker
 exits: a row that failed once is not measured again.
@@ -192,6 +197,7 @@ class RowSession:
         self.progress = progress or (lambda done, total: None)
         self.trainer = None
         self.stream = None
+        self.val_loss = None
         self.losses: list[float] = []
 
     def _timed_step(self) -> tuple[float, float]:
@@ -245,13 +251,18 @@ class RowSession:
             self.rss.pause()
         return {"seconds": list(seconds), "losses": list(losses)}
 
+    def val(self) -> dict:
+        """The val loss where the run stands (outside the memory sampler, as in finish)."""
+        val = fixed_batches(self.workload, "val", self.spec.val_batches, self.spec.seed, self.spec.device)
+        self.val_loss = self.trainer.eval_loss(val)
+        return {"val_loss": self.val_loss}
+
     def finish(self) -> dict:
         self.rss.resume()
         self.rss.__exit__(None, None, None)
         spec = self.spec
         peak = torch.cuda.max_memory_allocated() - self.base_cuda if self.cuda else self.rss.peak - self.rss.baseline
-        val = fixed_batches(self.workload, "val", spec.val_batches, spec.seed, spec.device)
-        val_loss = self.trainer.eval_loss(val)
+        val_loss = self.val_loss if self.val_loss is not None else self.val()["val_loss"]
         counted = spec.count_ops and not getattr(self.trainer, "compiled", False)
         op_count = count_step_ops(self.trainer, next(self.stream)) if counted else None
         return {"val_loss": val_loss, "ops_per_step": op_count, "peak_memory_bytes": peak,
@@ -279,11 +290,13 @@ def serve(spec: WorkerSpec, commands, replies) -> int:
                 reply = session.setup()
             elif cmd == "run":
                 reply = session.run(int(message["steps"]))
+            elif cmd == "val":
+                reply = session.val()
             elif cmd == "finish":
                 send({"ok": True, **session.finish()})
                 return 0
             else:
-                raise ConfigError(f"unknown worker command {cmd!r}; expected setup, run, finish or quit")
+                raise ConfigError(f"unknown worker command {cmd!r}; expected setup, run, val, finish or quit")
         except Exception as exc:  # the row fails, the ladder goes on: report the message, keep the trace
             send({"ok": False, **error_result(exc)})
             return 1

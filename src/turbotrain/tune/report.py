@@ -119,13 +119,14 @@ def _table_rows(doc: dict) -> list[list[str]]:
         delta = (f"{m['loss_delta_percent']:+.3f}% (±{m['loss_tolerance_percent']:g}%)"
                  if "loss_delta_percent" in m else "-")
         out.append([c["name"] + (" (baseline)" if c["baseline"] else ""), c["status"], _ratio(m),
-                    f"{m['step_seconds']:.3f}" if "step_seconds" in m else "-",
+                    f"{m['step_seconds']:.3f}" if "step_seconds" in m else "-", str(m.get("rounds", "-")),
                     _mib(c["estimates"].get("total_bytes")), _mib(m.get("peak_memory_bytes")), delta,
                     c["reason"] or ""])
     return out
 
 
-_HEAD = ["candidate", "status", "vs baseline (95% CI)", "step s", "est. MiB", "peak MiB", "Δ val loss (tol)", "note"]
+_HEAD = ["candidate", "status", "vs baseline (95% CI)", "step s", "rounds", "est. MiB", "peak MiB", "Δ val loss (tol)",
+         "note"]
 
 
 def _summary_lines(doc: dict) -> list[str]:

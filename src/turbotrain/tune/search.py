@@ -14,6 +14,11 @@ forward+loss graph, or its fused ops' epilogues) from those measured before it, 
 before the first). A candidate that would not fit is "not reached" and the next
 is considered. No round starts after ROUNDS_SHARE of the budget, nor once one more round and the
 val losses would not fit.
+
+Extra rounds: what is left of the rounds' share after the planned rounds goes to the candidates
+the fastest cannot yet be told from (their 95% interval against it holds 1.0), round after
+round, dropping each once its interval clears; five rounds of one step cannot separate steps a
+few percent apart, and compiling the candidates leaves most budgets with time over.
 """
 
 from __future__ import annotations
@@ -37,8 +42,8 @@ from .prune import hardware_reasons, order, prune
 from .row import CONFIG_ROW
 from .space import Candidate, enumerate_space
 
-__all__ = ["TuneSettings", "TuneResult", "run_tune", "COMPILE_PRIOR_S", "ROUNDS_SHARE", "EVAL_COMPILE_SHARE", "parse_duration",
-           "parse_memory"]
+__all__ = ["TuneSettings", "TuneResult", "run_tune", "COMPILE_PRIOR_S", "ROUNDS_SHARE", "EVAL_COMPILE_SHARE",
+           "EXTRA_ROUNDS_FACTOR", "parse_duration", "parse_memory"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +53,9 @@ logger = logging.getLogger(__name__)
 COMPILE_PRIOR_S = 45.0
 #: No interleaved round starts after this share of the budget (the val losses and reports follow).
 ROUNDS_SHARE = 0.85
+#: After the planned rounds, the candidates not yet told apart from the fastest get up to this many
+#: times as many extra rounds again, while the budget lasts (``_Admission.more``).
+EXTRA_ROUNDS_FACTOR = 4
 #: The val loss takes about this share of a train step per val batch (a forward of the same size).
 _VAL_SHARE = 0.5
 #: A compiled candidate compiles its eval-mode graph (forward only) at the val loss; taken as this
@@ -162,6 +170,23 @@ class _Admission:
         self.end, self.reserve, self.rounds_end = end, reserve, rounds_end
         self.admitted = 0
         self.results: dict = {}
+        self.contenders: list[str] | None = None
+        """The rows of the extra rounds, once they began (None before)."""
+
+    def more(self, results: dict) -> list[str]:
+        """The rows of the next extra round: the fastest candidate so far and every other one whose
+        95% interval against it still holds 1.0 (not yet told apart); nothing once the leader stands
+        alone. The baseline takes no part (its ratio is then taken unpaired over all rounds)."""
+        self.results = results
+        times = {n: round_times(r["round_seconds"]) for n, r in results.items()
+                 if r.get("status") == "running" and n != self.baseline and r.get("round_seconds")}
+        if len(times) < 2:
+            self.contenders = []
+            return []
+        leader = min(times, key=lambda n: statistics.median(times[n]))
+        close = [n for n in times if n != leader and bootstrap_ratio_ci(times[leader], times[n])[1] >= 1.0]
+        self.contenders = [leader, *close] if close else []
+        return self.contenders
 
     def _step(self, result: dict) -> float:
         steps = result.get("warmup_step_seconds") or []
@@ -172,15 +197,19 @@ class _Admission:
 
     def _finish(self, row: str, result: dict) -> float:
         """The val loss: a forward per val batch, and for a compiled candidate its eval-mode graph,
-        compiled again (EVAL_COMPILE_SHARE of its warm-up's compile)."""
+        compiled again (EVAL_COMPILE_SHARE of its warm-up's compile); nothing once it was taken."""
+        if "val_loss" in result:
+            return 0.0
         again = EVAL_COMPILE_SHARE * self._overhead(result) if self.by_name[row].compile != "none" else 0.0
         return self.settings.val_batches * _VAL_SHARE * self._step(result) + again
 
     def rounds_deadline(self) -> float:
-        """No round starts after this: one more round and every val loss must still fit."""
+        """No round starts after this: one more round (of the contenders, in the extra rounds) and
+        every val loss must still fit."""
         running = {n: r for n, r in self.results.items() if r.get("status") == "running"}
+        in_round = running if self.contenders is None else {n: running[n] for n in self.contenders if n in running}
         one_round = max(split_steps(self.settings.steps, self.settings.rounds)) * sum(
-            self._step(r) for r in running.values())
+            self._step(r) for r in in_round.values())
         finish = sum(self._finish(n, r) for n, r in running.items())
         return min(self.rounds_end, self.end - self.reserve - finish - one_round)
 
@@ -245,9 +274,15 @@ def _record(c: Candidate, result: dict, base: dict, max_memory: int | None) -> N
         if "timed out" in c.reason and "setup" in c.reason:
             c.reason += "; tune gives a set-up the time left before the rounds must start"
         return
+    if not result.get("round_seconds"):
+        c.status = "not reached"
+        c.reason = ("set up, but the budget ran out before its first measured round (compiling the candidates "
+                    "took it); raise --budget")
+        return
+    # Every round counts: a contender's extra rounds make its median (and so the ranking) firmer; the
+    # interval is paired while both sides ran the same rounds and unpaired once they differ.
     ref, mine = round_times(base["round_seconds"]), round_times(result["round_seconds"])
-    rounds = min(len(ref), len(mine))
-    ref, mine = ref[:rounds], mine[:rounds]
+    rounds = len(mine)
     tolerance = LOSS_TOLERANCE[result["compute_dtype"]]
     delta = relative_change(result["val_loss"], base["val_loss"])
     c.measured = {"step_seconds": statistics.median(result["step_seconds"]), "rounds": rounds,
@@ -324,7 +359,8 @@ def run_tune(workload, settings: TuneSettings, out_dir, *, workload_spec: dict, 
     with tempfile.TemporaryDirectory(prefix="turbotrain-tune-") as tmp:
         raw = run_interleaved(specs, per_round, Path(tmp), max(30.0, settings.budget_s / 2),
                               live=_Progress(say, started), admit=admit, deadline=admit.rounds_deadline,
-                              setup_timeout=admit.setup_limit)
+                              setup_timeout=admit.setup_limit, more=admit.more,
+                              max_extra_rounds=EXTRA_ROUNDS_FACTOR * len(per_round))
     base = raw[baseline]
     for c in survivors:
         _record(c, raw[c.name], base, settings.max_memory)
