@@ -63,8 +63,8 @@ def test_config_takes_parallel_and_round_trips_it():
     assert Config(parallel=False).parallel is None and Config().parallel is None
     cfg = Config(parallel=ParallelConfig(dp_replicate=2, tp=2, sequence_parallel=True, reshard_after_forward=False))
     d = cfg.to_dict()
-    assert d["parallel"] == {"dp_replicate": 2, "dp_shard": -1, "tp": 2, "sequence_parallel": True,
-                             "reshard_after_forward": False}
+    assert d["parallel"] == {"dp_replicate": 2, "dp_shard": -1, "cp": 1, "tp": 2, "sequence_parallel": True,
+                             "loss_parallel": True, "reshard_after_forward": False}
     assert Config.from_dict(d) == cfg
     import json
 
@@ -75,8 +75,8 @@ def test_config_takes_parallel_and_round_trips_it():
 def test_config_refuses_bad_parallel_settings():
     with pytest.raises(ConfigError, match="ParallelConfig"):
         Config(parallel="fsdp")
-    with pytest.raises(ConfigError, match="unknown parallel setting.*'cp'.*dp_replicate"):
-        Config.from_dict({"parallel": {"cp": 2}})
+    with pytest.raises(ConfigError, match="unknown parallel setting.*'pp'.*dp_replicate"):
+        Config.from_dict({"parallel": {"pp": 2}})  # pipeline parallel: no such degree
     with pytest.raises(ConfigError, match="needs tp > 1"):
         Config.from_dict({"parallel": {"sequence_parallel": True}})
 

@@ -653,7 +653,11 @@ def test_tensor_parallel_hf_llama_matches_one_process(ranks, scenario):
     ref = reference(hf_llama(), hf_batches())
     for r in result(ranks, scenario):
         torch.testing.assert_close(r["losses"], ref["losses"], rtol=1e-5, atol=1e-6)
-        assert_params_close(r["params"], ref["params"])
+        # A few elements of HF Llama's MLP get gradients of ~1e-10 (against ~1e-3 typical), below
+        # AdamW's eps, where the last bits of the vocabulary-parallel loss's sums move them by a few
+        # percent of an lr step: 5e-4 here. The gradients themselves are compared to 1e-5 of their
+        # largest in tests/test_parallel_loss.py.
+        assert_params_close(r["params"], ref["params"], rtol=1e-3, atol=5e-4)
         assert any("Hugging Face Llama" in n for n in r["notes"])
 
 

@@ -1,4 +1,4 @@
-"""Past one process's memory: FSDP2 sharding, tensor and sequence parallel, sharded checkpoints.
+"""Past one process's memory: FSDP2 sharding, tensor, sequence and context parallel, sharded checkpoints.
 
 Built on torch.distributed's own engines (``fully_shard``, ``parallelize_module``, DeviceMesh,
 ``torch.distributed.checkpoint``); this package chooses the mesh, the plans and the mixed-precision
@@ -8,6 +8,7 @@ policies, and fits them to the Engine's transform protocol. See docs/parallel.md
 from .checkpoint import EXTRA_FILE, consolidate, load_sharded, run_consolidate, save_sharded
 from .clipping import clip_grad_norm_, grad_norm
 from .config import MESH_DIMS, ParallelConfig, ResolvedDegrees
+from .context import ContextParallelMode, context_parallel_runner, heads_to_sequence, sequence_to_heads, split_batch
 from .nonfinite import nonfinite_error
 from .tp_plans import LAYOUTS, TPLayout, find_layout, register_layout
 from .transform import ParallelTransform, agree_found_inf, build_mesh, data_parallel_mesh, mixed_precision_policies
@@ -18,6 +19,8 @@ __all__ = [
     # the transform and its pieces
     "ParallelTransform", "build_mesh", "data_parallel_mesh", "mixed_precision_policies", "agree_found_inf",
     "grad_norm", "clip_grad_norm_", "nonfinite_error",
+    # context parallel
+    "ContextParallelMode", "context_parallel_runner", "split_batch", "sequence_to_heads", "heads_to_sequence",
     # tensor-parallel plans
     "TPLayout", "LAYOUTS", "register_layout", "find_layout",
     # sharded checkpoints

@@ -11,11 +11,12 @@ differs is where the pieces sit, and a :class:`TPLayout` names them. Per block:
 
 At the model's ends: the token embedding is vocabulary-parallel (RowwiseParallel on nn.Embedding,
 each rank looks up its slice of the vocabulary and the partial rows are all-reduced) and the head is
-column-parallel over the vocabulary with its logits gathered back to a plain, replicated tensor.
-Gathering the logits costs one all-gather of (B, T, V), but it means whatever computes the loss (the
-user's loss_fn, a Hugging Face model's own loss) sees ordinary logits. torch's ``loss_parallel``
-would avoid that gather, but it needs the logits as a DTensor all the way into ``F.cross_entropy``
-and the backward inside its context, which the Engine's loss contract does not promise.
+column-parallel over the vocabulary. With ``ParallelConfig(loss_parallel=True)`` (the default) its
+logits stay a DTensor sharded over the vocabulary (``Shard(-1)``), and ``F.cross_entropy`` on them
+runs under torch's ``loss_parallel()`` (the ParallelTransform enters it around forward, loss and
+backward): each rank holds B x T x V/tp logits, and three all-reduces of B x T values (the softmax's
+max and sum, the target's logit) replace the all-gather of (B, T, V). With ``loss_parallel=False``
+the logits are gathered back to a plain, replicated tensor, for a loss that does other math on them.
 
 With sequence_parallel the residual stream between blocks is each rank's T/tp slice of the
 sequence. It is split at the first block (the embeddings stay whole, because RoPE tables and
@@ -65,7 +66,7 @@ class TPLayout:
     """The token embedding (vocabulary-parallel)."""
     final_norm: str
     head: str
-    """The Linear producing the logits (column-parallel over the vocabulary, output gathered)."""
+    """The Linear producing the logits (column-parallel over the vocabulary)."""
     head_counts: Callable[[nn.Module], dict[str, int]]
     """Model -> {what: count} of every size tp must divide (heads, key/value heads)."""
     local_heads: Callable[[nn.Module, int], None] | None = None
@@ -178,15 +179,21 @@ def block_plan(layout: TPLayout, sequence_parallel: bool, first: bool) -> dict:
     return plan
 
 
-def root_plan(layout: TPLayout, sequence_parallel: bool) -> dict:
-    """The plan of the embedding, final norm and head, keyed by names relative to the model."""
+def root_plan(layout: TPLayout, sequence_parallel: bool, loss_parallel: bool = False) -> dict:
+    """The plan of the embedding, final norm and head, keyed by names relative to the model.
+
+    ``loss_parallel``: the head hands out its logits as a DTensor sharded over the vocabulary, for
+    torch's ``loss_parallel()``; otherwise gathered to a plain, replicated tensor.
+    """
     Replicate, Shard, Colwise, Rowwise, SequenceParallel, _ = _styles()
     plan = {layout.embedding: Rowwise(input_layouts=Replicate(), output_layouts=Replicate())}
+    head_input = Shard(1) if sequence_parallel else Replicate()
     if sequence_parallel:
         plan[layout.final_norm] = SequenceParallel(use_local_output=True)
-        plan[layout.head] = Colwise(input_layouts=Shard(1), output_layouts=Replicate())
+    if loss_parallel:
+        plan[layout.head] = Colwise(input_layouts=head_input, output_layouts=Shard(-1), use_local_output=False)
     else:
-        plan[layout.head] = Colwise(output_layouts=Replicate())
+        plan[layout.head] = Colwise(input_layouts=head_input, output_layouts=Replicate())
     return plan
 
 
@@ -218,18 +225,19 @@ def embedding_outside_compile(model: nn.Module, layout: TPLayout) -> None:
     embedding._call_impl = torch.compiler.disable(embedding._call_impl)
 
 
-def hand_over_own_tensors(model: nn.Module, layout: TPLayout, sequence_parallel: bool) -> None:
-    """Make the plain tensors the plan hands out at the model's end (the logits, with sequence
-    parallel also the final norm's output) tensors of their own rather than views.
+def hand_over_own_tensors(model: nn.Module, layout: TPLayout, sequence_parallel: bool,
+                          loss_parallel: bool = False) -> None:
+    """Make the plain tensors the plan hands out at the model's end (the gathered logits, with
+    sequence parallel also the final norm's output) tensors of their own rather than views.
 
     ``DTensor.to_local()`` returns a view of the local tensor, and FSDP2 warns ("returned a view
     tensor") when a module it wraps returns one, because an in-place op on a view would drop the
     pre-backward hook FSDP puts on it: the root returns the head's logits, and in low precision the
     final norm is an FSDP group of its own. A tensor that is not a view keeps that hook through an
     in-place op; sharing storage and version counter, it costs no copy and autograd still sees
-    every write.
+    every write. With ``loss_parallel`` the head hands out a DTensor (no ``to_local()``, no view).
     """
-    names = [layout.head, *([layout.final_norm] if sequence_parallel else [])]
+    names = [*([] if loss_parallel else [layout.head]), *([layout.final_norm] if sequence_parallel else [])]
     for name in names:
         model.get_submodule(name).register_forward_hook(_own_tensor_output)
 

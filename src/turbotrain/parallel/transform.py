@@ -37,7 +37,7 @@ logger.addHandler(logging.NullHandler())
 
 
 def build_mesh(degrees: ResolvedDegrees, device_type: str):
-    """The device mesh: "dp_replicate" (when above 1), "dp_shard" (always), "tp" (when above 1).
+    """The device mesh: "dp_replicate" (when above 1), "dp_shard" (always), "cp", "tp" (when above 1).
 
     dp_shard is kept even at size 1: FSDP needs a mesh to run on, and its mixed-precision policy is
     what computes in bf16 from FP32 shards, tensor-parallel-only runs included. dp_replicate joins
@@ -45,14 +45,26 @@ def build_mesh(degrees: ResolvedDegrees, device_type: str):
     """
     from torch.distributed.device_mesh import init_device_mesh
 
-    sizes = dict(zip(MESH_DIMS, (degrees.dp_replicate, degrees.dp_shard, degrees.tp)))
+    sizes = dict(zip(MESH_DIMS, (degrees.dp_replicate, degrees.dp_shard, degrees.cp, degrees.tp)))
     dims = [n for n in MESH_DIMS if sizes[n] > 1 or n == "dp_shard"]
-    return init_device_mesh(device_type, tuple(sizes[n] for n in dims), mesh_dim_names=tuple(dims))
+    mesh = init_device_mesh(device_type, tuple(sizes[n] for n in dims), mesh_dim_names=tuple(dims))
+    if "cp" in dims:
+        # FSDP shards over the cp ranks too (they hold the same weights), so their gradients are averaged;
+        # flattened here, on every rank at once, since making its process group is a collective.
+        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+    return mesh
 
 
 def data_parallel_mesh(mesh):
-    """The mesh FSDP runs on: (dp_replicate, dp_shard) for HSDP, else dp_shard."""
+    """The mesh FSDP runs on: (dp_replicate, dp_shard) for HSDP, else dp_shard; with cp, dp_shard x cp flattened."""
     names = mesh.mesh_dim_names
+    if "cp" in names:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        # The flattened mesh build_mesh made (returned again, no new group); slicing it from the root
+        # mesh by name is deprecated in torch, so HSDP's 2-D mesh is put together from the two parts.
+        shard = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+        return DeviceMesh._concatenate([mesh["dp_replicate"], shard]) if "dp_replicate" in names else shard
     return mesh["dp_replicate", "dp_shard"] if "dp_replicate" in names else mesh["dp_shard"]
 
 
@@ -151,6 +163,10 @@ class ParallelTransform(Transform):
                     f"compile=True with tensor parallel (tp={self.degrees.tp}) trains the {layout.family} plan wrong "
                     "in this torch (the compiled losses leave the eager ones from the third step); use "
                     "compile=False with tp, or shard with FSDP2 alone (ParallelConfig(dp_shard=...)), which compiles")
+        if self.degrees.cp > 1:
+            from .context import check_cp_model
+
+            check_cp_model(model, self.degrees.cp)  # before any collective, like the tp checks
         before = dict(model.named_parameters())
         norms_before = {n for n, p in before.items() if p in plan.norm_params}
         norm_modules = _norm_modules(model, plan.norm_params)  # before tensor parallel replaces their weights
@@ -176,12 +192,15 @@ class ParallelTransform(Transform):
             parallelize_module(block, tp_mesh, tp_plans.block_plan(layout, sp, first=i == 0))
             if layout.local_heads is not None:
                 layout.local_heads(block, tp)
-        parallelize_module(model, tp_mesh, tp_plans.root_plan(layout, sp))
-        tp_plans.hand_over_own_tensors(model, layout, sp)
+        lp = self.config.loss_parallel
+        parallelize_module(model, tp_mesh, tp_plans.root_plan(layout, sp, lp))
+        tp_plans.hand_over_own_tensors(model, layout, sp, lp)
         tp_plans.embedding_outside_compile(model, layout)
         self.layout = layout
         plan.notes.append(f"parallel: tensor parallel over {tp} ranks with the {layout.family} plan"
-                          + (" and sequence parallel" if sp else "") + "; logits gathered for the loss")
+                          + (" and sequence parallel" if sp else "")
+                          + ("; logits kept sharded over the vocabulary, the cross-entropy computed on the shards "
+                             "(loss_parallel)" if lp else "; logits gathered for the loss (loss_parallel=False)"))
 
     def _fully_shard(self, model: nn.Module, plan: ModelPlan, norm_modules: list[nn.Module]) -> None:
         from torch.distributed.fsdp import fully_shard
@@ -208,8 +227,33 @@ class ParallelTransform(Transform):
         # The root (embeddings, head) is needed again as soon as backward starts: never resharded.
         self.root = fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
 
+    def wrap_runner(self, runner, plan: ModelPlan, ctx: ApplyContext):
+        """With cp > 1: each cp rank runs forward and loss on its slice of the sequence (context.py).
+        With loss parallel: the loss handed back as a plain tensor."""
+        if self.layout is not None and self.config.loss_parallel:
+            runner = _plain_loss(runner)
+        if self.degrees is None or self.degrees.cp == 1:
+            return runner
+        from .context import context_parallel_runner
+
+        if plan.loss_head is not None:
+            raise ConfigError(f"the fused linear+cross-entropy head with context parallel (cp={self.degrees.cp}) is "
+                              "not supported yet; drop 'linear_cross_entropy' from Config(fuse=...) or set cp=1")
+        plan.notes.append(f"parallel: context parallel over {self.degrees.cp} ranks, each with T/{self.degrees.cp} of "
+                          "every sequence; attention exchanges heads (all-to-all)")
+        return context_parallel_runner(runner, self.root, self.mesh["cp"])
+
     # -- every step -----------------------------------------------------------------------------
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        # A forward and loss outside a training step (Engine.eval_loss) meets the sharded logits too.
+        if self.layout is not None and self.config.loss_parallel:
+            return _loss_parallel_scope(self.degrees.tp)
+        return contextlib.nullcontext()
+
     def accumulate_context(self, closes_step: bool) -> contextlib.AbstractContextManager:
+        if self.layout is not None and self.config.loss_parallel:
+            # Forward, loss and backward: torch's loss_parallel() must see the backward too.
+            return _sync_and_loss_parallel(self.root, closes_step, self.degrees.tp)
         return _gradient_sync(self.root, closes_step)
 
     def before_optimizer_step(self, ctx: StepContext) -> None:
@@ -218,8 +262,9 @@ class ParallelTransform(Transform):
 
     def reset_grads(self) -> None:
         # After a failed forward/backward FSDP's per-iteration state must be reset before the next
-        # one; after a good step it is idle and this only checks so.
-        if self.root is not None:
+        # one; after a good step it is idle and this only checks so. Before the root's first forward
+        # (a batch refused before the model ran, as context parallel's checks do) it has none to reset.
+        if self.root is not None and self.root._get_fsdp_state()._is_root is not None:
             self.root.reset_iter_state()
 
     def state_dict(self) -> dict:
@@ -230,9 +275,11 @@ class ParallelTransform(Transform):
         if d is None:
             return "parallel (not placed yet)"
         parts = [f"dp_replicate={d.dp_replicate}", f"dp_shard={d.dp_shard}", f"tp={d.tp}"]
+        if d.cp > 1:
+            parts.append(f"cp={d.cp} (attention all-to-all over heads; FSDP over dp_shard x cp)")
         if self.config.sequence_parallel:
             parts.append("sequence parallel")
-        kind = "HSDP" if d.dp_replicate > 1 and d.dp_shard > 1 else "FSDP2"
+        kind = "HSDP" if d.dp_replicate > 1 and d.dp_shard * d.cp > 1 else "FSDP2"
         dtype = f"{str(self._low).removeprefix('torch.')} compute, fp32 shards and reduce, fp32 norms" \
             if self._low is not None else "fp32"
         zero = "ZeRO-3" if self.config.reshard_after_forward else "ZeRO-2 (kept gathered after forward)"
@@ -248,6 +295,65 @@ def _gradient_sync(root, closes_step: bool):
         yield
     finally:
         root.set_requires_gradient_sync(True)
+
+
+_loss_parallel_depth = 0
+"""How many _loss_parallel_scope()s are open (forward_context opens one inside accumulate_context)."""
+
+#: What DTensor and loss_parallel() say when a loss does math on the sharded logits they cannot run.
+_SHARDED_LOSS_ERRORS = ("DTensor", "loss_parallel", "sharding strategy", "sharding propagation")
+
+
+@contextlib.contextmanager
+def _loss_parallel_scope(tp: int):
+    """torch's ``loss_parallel()``, re-entrant, and left even when the body raises.
+
+    torch's context pops its cross-entropy handlers on leaving, so the inner of two nested ones would
+    take them from the outer's backward; and it does not pop them when its body raises. An error the
+    sharded logits caused is re-raised as a ConfigError naming the switch that gathers them.
+    """
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from ..errors import TurbotrainError
+
+    global _loss_parallel_depth
+    context = loss_parallel() if _loss_parallel_depth == 0 else contextlib.nullcontext()
+    context.__enter__()
+    _loss_parallel_depth += 1
+    try:
+        yield
+    except Exception as exc:
+        text = str(exc)
+        if isinstance(exc, TurbotrainError) or not any(m in text for m in _SHARDED_LOSS_ERRORS):
+            raise
+        raise ConfigError(
+            f"a DTensor op failed in forward, loss or backward under tensor parallel (tp={tp}) with "
+            f"ParallelConfig(loss_parallel=True) ({type(exc).__name__}: {text.splitlines()[0] if text else ''}). "
+            "With loss_parallel the logits reach the loss as a DTensor sharded over the vocabulary, on which "
+            "F.cross_entropy (class-index targets, no label_smoothing) runs sharded; for a loss that does other "
+            "math on them set ParallelConfig(loss_parallel=False), which hands it plain, gathered logits") from exc
+    finally:
+        _loss_parallel_depth -= 1
+        context.__exit__(None, None, None)
+
+
+@contextlib.contextmanager
+def _sync_and_loss_parallel(root, closes_step: bool, tp: int):
+    with _gradient_sync(root, closes_step), _loss_parallel_scope(tp):
+        yield
+
+
+def _plain_loss(runner):
+    """``runner`` with a DTensor loss (loss_parallel's, replicated over the tensor-parallel ranks) handed
+    back as a plain tensor, so the rest of the step (check_loss, StepStats, ``.item()``) sees one; for a
+    replicated loss ``full_tensor()`` is no collective, and the backward flows through it."""
+    from torch.distributed.tensor import DTensor
+
+    def run(*args, **kwargs):
+        loss = runner(*args, **kwargs)
+        return loss.full_tensor() if isinstance(loss, DTensor) else loss
+
+    return run
 
 
 def agree_found_inf(flag: torch.Tensor) -> torch.Tensor:

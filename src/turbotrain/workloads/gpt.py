@@ -167,11 +167,15 @@ class GPT(nn.Module):
             for proj in (block.attn.out_proj, block.mlp.proj):
                 nn.init.normal_(proj.weight, std=0.02 / math.sqrt(2 * n_layer))
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of ``idx`` (B, T); ``position_ids`` (B or 1, T) say where the tokens sit (default 0..T-1),
+        as context parallel needs for a rank's slice of a longer sequence."""
         t = idx.shape[1]
         if t > self.max_len:
             raise ConfigError(f"sequence length {t} exceeds the model's T={self.max_len}; build it with a larger T")
-        x = self.wte(idx) + self.wpe(torch.arange(t, device=idx.device))
+        if position_ids is None:
+            position_ids = torch.arange(t, device=idx.device)
+        x = self.wte(idx) + self.wpe(position_ids)
         for block in self.blocks:
             x = block(x)
         return self.lm_head(self.ln_f(x))

@@ -52,15 +52,19 @@ class LlamaSettings(TransformerSettings):
         return self.mlp_hidden or 64 * -(-8 * self.d // (3 * 64))
 
 
-def apply_rope(x: torch.Tensor, theta: float) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, theta: float, positions: torch.Tensor | None = None) -> torch.Tensor:
     """Rotate channel pairs (i, i + hd/2) of x (B, H, T, hd) by position-dependent angles.
 
-    The angles are computed in FP32 on every call rather than kept as a buffer, so casting the
-    model to bf16 (bf16-master) cannot round the frequencies; at hd=64 this is T*32 sin/cos.
+    ``positions``: (B or 1, T) token positions (default 0..T-1). The angles are computed in FP32 on
+    every call rather than kept as a buffer, so casting the model to bf16 (bf16-master) cannot round
+    the frequencies; at hd=64 this is T*32 sin/cos.
     """
     t, hd = x.shape[-2], x.shape[-1]
     inv_freq = 1.0 / theta ** (torch.arange(0, hd, 2, device=x.device, dtype=torch.float32) / hd)
-    angles = torch.outer(torch.arange(t, device=x.device, dtype=torch.float32), inv_freq)
+    if positions is None:
+        angles = torch.outer(torch.arange(t, device=x.device, dtype=torch.float32), inv_freq)
+    else:  # (B, T, hd/2) -> (B, 1, T, hd/2): the same angles for every head
+        angles = (positions.to(torch.float32)[..., None] * inv_freq).unsqueeze(-3)
     cos = torch.cat([angles.cos()] * 2, dim=-1).to(x.dtype)
     sin = torch.cat([angles.sin()] * 2, dim=-1).to(x.dtype)
     x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
@@ -77,10 +81,10 @@ class LlamaAttention(nn.Module):
         self.v_proj = nn.Linear(d, d, bias=False)
         self.o_proj = nn.Linear(d, d, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         h = self.n_head
-        q = apply_rope(split_heads(self.q_proj(x), h), self.rope_theta)
-        k = apply_rope(split_heads(self.k_proj(x), h), self.rope_theta)
+        q = apply_rope(split_heads(self.q_proj(x), h), self.rope_theta, positions)
+        k = apply_rope(split_heads(self.k_proj(x), h), self.rope_theta, positions)
         y = F.scaled_dot_product_attention(q, k, split_heads(self.v_proj(x), h), is_causal=True)
         return self.o_proj(merge_heads(y))
 
@@ -107,8 +111,10 @@ class LlamaBlock(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(s.d, eps=1e-5)
         self.mlp = SwiGLU(s.d, s.hidden)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.input_layernorm(x))
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        # positions as a keyword only when given: tensor-parallel input hooks count positional inputs
+        extra = {} if positions is None else {"positions": positions}
+        x = x + self.attn(self.input_layernorm(x), **extra)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -127,10 +133,12 @@ class Llama(nn.Module):
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, std=0.02)  # Llama's initializer_range
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of ``idx`` (B, T); ``position_ids`` (B or 1, T) place the tokens for RoPE (default 0..T-1)."""
         x = self.embed_tokens(idx)  # RoPE has no table, so any sequence length works
+        extra = {} if position_ids is None else {"positions": position_ids}
         for block in self.blocks:
-            x = block(x)
+            x = block(x, **extra)
         return self.lm_head(self.norm(x))
 
 
