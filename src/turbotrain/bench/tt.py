@@ -9,7 +9,8 @@ from __future__ import annotations
 from ..errors import TurbotrainError
 from .configs import make_optimizer, register_config
 
-__all__ = ["EngineTrainer", "FeatureUnavailable", "TT_CONFIGS", "MEMORY_CONFIGS", "ABLATION_CONFIGS", "FP32_TWINS"]
+__all__ = ["EngineTrainer", "FeatureUnavailable", "TT_CONFIGS", "LEVER_CONFIGS", "MEMORY_CONFIGS", "ABLATION_CONFIGS",
+           "FP32_TWINS"]
 
 
 class FeatureUnavailable(TurbotrainError):
@@ -23,7 +24,7 @@ def _compute_dtype(precision: str) -> str:
 class EngineTrainer:
     """A workload behind ``Engine(model, AdamW, loss_fn, config=Config(**settings))``."""
 
-    def __init__(self, workload, device: str, **settings):
+    def __init__(self, workload, device: str, plain_attention: bool = False, **settings):
         try:
             from .. import Config, Engine
         except ImportError as exc:
@@ -35,6 +36,11 @@ class EngineTrainer:
         # at the parameters it trains, so the row steps the same implementation it was given
         self._optimizer = make_optimizer(model.parameters())
         self.engine = Engine(model, self._optimizer, workload.loss_fn, config=config)
+        if plain_attention:  # the compiled plain attention lever (fusion/attention.py), set before set-up
+            compile_t = self.engine._transform("compile")
+            if compile_t is None:
+                raise FeatureUnavailable("plain_attention needs compile=True (it runs inside the compiled graph)")
+            compile_t.attention = True
         self.compute_dtype = _compute_dtype(config.precision)
         self.compiled = config.compile
 
@@ -78,6 +84,12 @@ TT_CONFIGS = {
     "tt-fused-compile-fp32": ({"precision": "fp32", "fuse": ("linear_cross_entropy",), "compile": True},
                               "fp32 + fused linear+cross-entropy + torch.compile", False),
 }
+#: Levers measured before they are made defaults (off the default ladder; name them in --configs).
+LEVER_CONFIGS = {
+    "tt-fused-compile-attn": ({"precision": "bf16-master", "fuse": ("linear_cross_entropy",), "compile": True,
+                               "plain_attention": True},
+                              "tt-fused-compile + causal attention as compiled plain PyTorch (not the flash kernel)"),
+}
 #: The row standing in for each low-precision row where its dtype is slower than fp32 (BenchConfig.fp32_twin).
 FP32_TWINS = {"tt-fused": "tt-fused-fp32", "tt-fused-compile": "tt-fused-compile-fp32"}
 
@@ -120,6 +132,9 @@ def _builder(settings: dict):
 for _name, (_settings, _description, _default) in TT_CONFIGS.items():
     register_config(_name, _description, _builder(_settings), default=_default, group="turbotrain",
                     dtype=_compute_dtype(_settings["precision"]), fp32_twin=FP32_TWINS.get(_name))
+for _name, (_settings, _description) in LEVER_CONFIGS.items():
+    register_config(_name, _description, _builder(_settings), default=False, group="turbotrain",
+                    dtype=_compute_dtype(_settings["precision"]))
 for _group, _configs in (("memory", MEMORY_CONFIGS), ("ablation", ABLATION_CONFIGS)):
     for _name, (_settings, _description) in _configs.items():
         register_config(_name, _description, _builder(_settings), default=False, group=_group,
