@@ -1,4 +1,5 @@
 import json
+import torch
 
 import pytest
 
@@ -86,6 +87,8 @@ TRUE_OR_FALSE = "True or False"
         (Config, {"nan_check": "no"}, TRUE_OR_FALSE),
         (Config, {"keep_fp32_head": 1}, TRUE_OR_FALSE),
         (Config, {"compile": "yes"}, TRUE_OR_FALSE),
+        (Config, {"attention": "flash"}, "'plain'"),
+        (Config, {"attention": "plain"}, "compile=True"),  # plain attention lives in the compiled graph
         (Config, {"sync_stats": None}, TRUE_OR_FALSE),
         (Config, {"track_grad_norm": 0}, TRUE_OR_FALSE),
         (DataParallelConfig, {"sync_bn": "no"}, TRUE_OR_FALSE),
@@ -102,6 +105,17 @@ def test_wrong_types_raise_config_error_naming_field_value_and_fix(cls, kwargs, 
     assert f"{name}={value!r}" in message
     assert fix in message
     assert "\n" not in message
+
+
+def test_plain_attention_with_checkpointing_is_refused_and_auto_leaves_it_to_the_stock_kernel():
+    with pytest.raises(ConfigError, match="attention='plain' with checkpoint='blocks'.*attention='auto'"):
+        Config(attention="plain", compile=True, checkpoint="blocks")
+    from turbotrain.engine import build_transforms
+
+    for checkpoint, auto in ((None, None), ("blocks", False)):
+        config = Config(compile=True, checkpoint=checkpoint, device="cpu")
+        (compile_t,) = [t for t in build_transforms(config, torch.device("cpu")) if t.name == "compile"]
+        assert compile_t.attention is auto  # None: chosen at set-up (plain on a CPU in bf16)
 
 
 def test_from_dict_and_from_json_invert_to_dict():

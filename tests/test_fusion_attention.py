@@ -184,20 +184,18 @@ def test_engine_compiles_plain_attention_on_a_bf16_cpu_and_matches_stock():
             for i in range(3)]
     base = wl.build_model()
     losses = {}
-    for choice in (None, False):
+    for choice in ("auto", "stock"):
         torch._dynamo.reset()
         model = copy.deepcopy(base)
-        # fusion makes the Engine set up at the first step, so the compile transform can be told first
         engine = Engine(model, torch.optim.AdamW(model.parameters(), lr=1e-3), wl.loss_fn,
                         config=Config(precision="bf16-master", fuse=("linear_cross_entropy",), compile=True,
-                                      device="cpu"))
-        engine._transform("compile").attention = choice
+                                      device="cpu", attention=choice))
         losses[choice] = torch.stack([engine.step(b).loss for b in data]).float()
         compile_t = engine._transform("compile")
-        assert compile_t.attention is (choice is None)
-        assert ("plain attention" in compile_t.describe()) is (choice is None)
+        assert compile_t.attention is (choice == "auto")  # auto: plain attention on a CPU in bf16
+        assert ("plain attention" in compile_t.describe()) is (choice == "auto")
         assert engine.step(data[0]).recompiles == 0
-    torch.testing.assert_close(losses[None], losses[False], rtol=1e-2, atol=0)
+    torch.testing.assert_close(losses["auto"], losses["stock"], rtol=1e-2, atol=0)
 
 
 def test_docstring_examples_run():

@@ -15,10 +15,12 @@ from .guards import GuardConfig, check_guards
 from .parallel.config import ParallelConfig
 from .precision.config import PRECISIONS, LossScaleConfig
 
-__all__ = ["Config", "CHECKPOINT_MODES", "DEVICES", "FUSION_PATTERNS"]
+__all__ = ["Config", "ATTENTION_MODES", "CHECKPOINT_MODES", "DEVICES", "FUSION_PATTERNS"]
 
 CHECKPOINT_MODES = (None, "blocks", "selective")
 DEVICES = ("auto", "cpu", "cuda")
+#: ``Config(attention=...)``: how compiled steps run scaled_dot_product_attention.
+ATTENTION_MODES = ("auto", "plain", "stock")
 #: Pattern names ``Config(fuse=(...))`` and ``turbotrain.fusion.fuse(patterns=...)`` accept.
 FUSION_PATTERNS = ("linear_act", "qkv", "layernorm_gelu", "swiglu", "linear_cross_entropy")
 
@@ -48,6 +50,12 @@ class Config:
     """True for every fusion pattern, a tuple of names from FUSION_PATTERNS, or False."""
     compile: bool = False
     """Run the model through torch.compile (with sequence-length bucketing)."""
+    attention: str = "auto"
+    """Under compile: 'plain' runs scaled_dot_product_attention as matmuls and an FP32 softmax that
+    Inductor fuses (causal blocks past the diagonal skipped; fusion/attention.py), 'stock' keeps
+    torch's kernel, 'auto' is 'plain' on a CPU in bf16 (where the stock op is the CPU flash kernel)
+    and 'stock' elsewhere or with activation checkpointing. 'plain' keeps FP32 scores for the
+    backward: more memory at long T."""
     seq_buckets: tuple[int, ...] | None = None
     """Sequence lengths batches are padded up to when compiling, so shapes stay few."""
     checkpoint: str | None = None
@@ -71,6 +79,15 @@ class Config:
         check_choice("precision", self.precision, PRECISIONS)
         check_choice("checkpoint", self.checkpoint, CHECKPOINT_MODES)
         check_choice("device", self.device, DEVICES)
+        check_choice("attention", self.attention, ATTENTION_MODES)
+        if self.attention == "plain" and not self.compile:
+            raise ConfigError("attention='plain' replaces the attention kernel inside the compiled graph, and "
+                              "compile is off; set compile=True, or leave attention='auto'")
+        if self.attention == "plain" and self.checkpoint is not None:
+            raise ConfigError(f"attention='plain' with checkpoint={self.checkpoint!r} is not supported: the "
+                              "recomputation in backward would run the stock kernel where the forward ran plain "
+                              "attention; leave attention='auto' (the stock kernel under checkpointing) or drop "
+                              "checkpoint")
         for name in ("keep_fp32_head", "compile", "nan_check", "sync_stats", "track_grad_norm"):
             check_bool(name, getattr(self, name))
         check_number("accumulate", self.accumulate, integer=True, minimum=1)

@@ -97,7 +97,10 @@ def build_transforms(config: Config, device: torch.device) -> list[Transform]:
     if config.compile:
         from .fusion.compile import CompileTransform
 
-        out.append(CompileTransform())
+        # auto never picks plain attention under activation checkpointing: the recomputation in
+        # backward runs outside the mode, so it would save other tensors than the forward did
+        auto = None if config.checkpoint is None else False
+        out.append(CompileTransform(attention={"auto": auto, "plain": True, "stock": False}[config.attention]))
     if config.guards is not None:
         out.append(Guards(config.guards))
     return out

@@ -24,7 +24,7 @@ def _compute_dtype(precision: str) -> str:
 class EngineTrainer:
     """A workload behind ``Engine(model, AdamW, loss_fn, config=Config(**settings))``."""
 
-    def __init__(self, workload, device: str, plain_attention: bool = False, **settings):
+    def __init__(self, workload, device: str, **settings):
         try:
             from .. import Config, Engine
         except ImportError as exc:
@@ -36,11 +36,6 @@ class EngineTrainer:
         # at the parameters it trains, so the row steps the same implementation it was given
         self._optimizer = make_optimizer(model.parameters())
         self.engine = Engine(model, self._optimizer, workload.loss_fn, config=config)
-        if plain_attention:  # the compiled plain attention lever (fusion/attention.py), set before set-up
-            compile_t = self.engine._transform("compile")
-            if compile_t is None:
-                raise FeatureUnavailable("plain_attention needs compile=True (it runs inside the compiled graph)")
-            compile_t.attention = True
         self.compute_dtype = _compute_dtype(config.precision)
         self.compiled = config.compile
 
@@ -74,9 +69,10 @@ TT_CONFIGS = {
     "tt-fused": ({"precision": "bf16-master", "fuse": ("qkv", "linear_cross_entropy")},
                  "bf16-master + fused QKV + fused linear+cross-entropy", True),
     # Under torch.compile inductor fuses the elementwise ops itself; the QKV slice cache breaks the
-    # graph (9 graphs instead of 1), so only linear+cross-entropy is fused by hand here.
+    # graph (9 graphs instead of 1), so only linear+cross-entropy is fused by hand here. On a CPU in
+    # bf16, Config(attention='auto') also runs attention as compiled plain PyTorch (fusion/attention.py).
     "tt-fused-compile": ({"precision": "bf16-master", "fuse": ("linear_cross_entropy",), "compile": True},
-                         "bf16-master + fusion + torch.compile", True),
+                         "bf16-master + fusion + torch.compile (+ compiled plain attention on a CPU in bf16)", True),
     # fp32 twins of the fused rows: where bf16 matmul is slower than fp32 (a CPU without
     # avx512_bf16/amx_bf16; precision='auto' picks fp32 there) the default ladder runs these instead.
     "tt-fused-fp32": ({"precision": "fp32", "fuse": ("linear_cross_entropy",)},
@@ -86,9 +82,14 @@ TT_CONFIGS = {
 }
 #: Levers measured before they are made defaults (off the default ladder; name them in --configs).
 LEVER_CONFIGS = {
-    "tt-fused-compile-attn": ({"precision": "bf16-master", "fuse": ("linear_cross_entropy",), "compile": True,
-                               "plain_attention": True},
-                              "tt-fused-compile + causal attention as compiled plain PyTorch (not the flash kernel)"),
+    # tt-fused-compile with torch's attention kernel (on a CPU in bf16 Config(attention='auto') runs
+    # compiled plain attention instead): the plain-attention lever's effect, row against row
+    "tt-fused-compile-stock-attn": ({"precision": "bf16-master", "fuse": ("linear_cross_entropy",), "compile": True,
+                                     "attention": "stock"},
+                                    "tt-fused-compile with the stock scaled_dot_product_attention kernel"),
+    # no hand-fused op: Inductor compiles the head and the cross-entropy itself
+    "tt-compile": ({"precision": "bf16-master", "compile": True},
+                   "bf16-master + torch.compile (forward and loss one graph), no hand-fused ops"),
 }
 #: The row standing in for each low-precision row where its dtype is slower than fp32 (BenchConfig.fp32_twin).
 FP32_TWINS = {"tt-fused": "tt-fused-fp32", "tt-fused-compile": "tt-fused-compile-fp32"}

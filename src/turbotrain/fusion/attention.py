@@ -10,10 +10,11 @@ blocks of ``q @ kᵀ`` are never computed (nor stored for the backward).
 :class:`PlainAttentionMode` routes the ``scaled_dot_product_attention`` calls of any model (a
 user's own ``F.scaled_dot_product_attention``, Hugging Face's sdpa attention interface) to
 :func:`plain_attention` while it is entered; ``torch.compile`` traces through it in one graph.
-The stock op is its own reference twin. Opt-in (``CompileTransform(attention=True)``, or enter the
-mode inside your own compiled step): on the shared 2-core development CPU the interleaved A/B so
-far could not tell it from the flash kernel, and it keeps FP32 scores for the backward, so it
-costs memory at long sequences.
+The stock op is its own reference twin. The Engine uses it under ``compile=True`` on a CPU in bf16
+(``Config(attention='auto')``; 'plain' and 'stock' force either), or enter the mode inside your own
+compiled step: on a quiet 2-core AVX512-BF16 EPYC at T=256 it made the whole compiled step 1.07-1.15x
+faster than the same step with the flash kernel (benchmarks/2026-12-04-avx512-plain-attention.md). It keeps FP32
+scores for the backward, so it costs memory at long sequences.
 
 >>> import torch
 >>> import torch.nn.functional as F

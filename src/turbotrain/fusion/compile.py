@@ -70,8 +70,11 @@ class CompileTransform(Transform):
     ``attention=True`` runs the model's ``scaled_dot_product_attention`` calls inside that graph
     as plain PyTorch attention that Inductor fuses, in place of the stock kernel
     (fusion/attention.py); None chooses it on a CPU in bf16, where the stock op is the CPU flash
-    kernel. Opt-in (default False): its speed-up over the flash kernel has not yet been measured
-    outside the noise on a quiet machine, and it keeps FP32 scores for the backward (more memory).
+    kernel (``Config(attention='auto')``, the Engine's default). Measured there on a quiet 2-core
+    AVX512-BF16 EPYC at T=256 (benchmarks/2026-12-04-avx512-plain-attention.md): the whole step
+    1.13x, 1.15x and 1.09x torch.compile over the step on gpt, user-gpt and hf-llama, where the
+    same row with the stock kernel was 1.00-1.04x; it keeps FP32 scores for the backward, so it
+    costs memory (peak +15-20% there, more at long T).
     """
 
     name = "compile"
