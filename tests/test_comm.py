@@ -249,6 +249,71 @@ def test_masked_gradients_are_summed_from_their_nonzero_blocks(touched):
     assert comp.sent == 8 + touched * (_BLOCK + 1) * 4
 
 
+def test_onebit_pipelined_parts_change_no_bit():
+    sizes, mask = [300, 1000, 77], torch.tensor([5, 400, 1376])  # pieces cut by parts, masked ends
+    whole, split = OneBitCompressor(parts=1), OneBitCompressor(parts=3)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(4):  # the errors carry over: every step's input differs
+        x = torch.randn(sum(sizes), generator=g)
+        assert torch.equal(whole.exchange(x, sizes, mask), split.exchange(x, sizes, mask))
+    assert len(whole._layout.parts) == 1 and len(split._layout.parts) == 3
+    assert torch.equal(whole.worker_error, split.worker_error) and torch.equal(whole.server_error, split.server_error)
+
+
+def test_onebit_adam_is_the_same_with_a_pipelined_exchange():
+    params = [[nn.Parameter(torch.randn(s, generator=torch.Generator().manual_seed(1))) for s in ONEBIT_SHAPES]
+              for _ in range(2)]
+    opts = [OneBitAdam(ps, lr=1e-2, weight_decay=0.1, warmup_steps=3) for ps in params]
+    opts[1].compressor.parts = 4
+    for opt, ps in zip(opts, params):
+        _onebit_run(opt, ps, 8)
+    assert len(opts[1].compressor._layout.parts) == 4
+    for a, b in zip(*params):
+        assert torch.equal(a, b)
+
+
+def test_onebit_compiled_kernels_match_the_eager_steps():
+    sizes, mask = [300, 1000, 77], torch.tensor([5, 400, 1376])
+    eager, fused = OneBitCompressor(parts=2, compile_kernels=False), OneBitCompressor(parts=2, compile_kernels=True)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        x = torch.randn(sum(sizes), generator=g)
+        assert torch.equal(eager.exchange(x, sizes, mask), fused.exchange(x, sizes, mask))
+    assert fused._compiled and not eager._compiled  # the kernels ran: no compile failure fell back
+    assert torch.equal(eager.worker_error, fused.worker_error) and torch.equal(eager.server_error, fused.server_error)
+    params = [[nn.Parameter(torch.randn(s, generator=torch.Generator().manual_seed(1))) for s in ONEBIT_SHAPES]
+              for _ in range(2)]
+    opts = [OneBitAdam(ps, lr=1e-2, weight_decay=0.1, warmup_steps=3) for ps in params]
+    for opt, flag in zip(opts, (False, True)):
+        opt.compressor.compile_kernels = flag
+    for opt, ps in zip(opts, params):
+        _onebit_run(opt, ps, 6)
+    assert opts[1].compressor._compiled
+    for a, b in zip(*params):
+        # the residuals are bitwise the same; the fused update rounds p * decay + alpha * step once
+        # less or more than the eager mul_ then add_: an ulp per step at most
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_onebit_kernels_run_eagerly_after_one_warning_where_compile_fails(monkeypatch):
+    from turbotrain.comm import onebit
+
+    def no_compiler(fn, **kwargs):
+        def run(*args):
+            raise RuntimeError("no C++ compiler")
+        return run
+
+    monkeypatch.setattr(onebit, "_COMPILED", {})
+    monkeypatch.setattr(onebit, "_COMPILE_FAILED", [])
+    monkeypatch.setattr(torch, "compile", no_compiler)
+    sizes = [300, 1000, 77]
+    eager, fused = OneBitCompressor(compile_kernels=False), OneBitCompressor(compile_kernels=True)
+    x = torch.randn(sum(sizes))
+    with pytest.warns(RuntimeWarning, match="torch.compile of its kernels failed"):
+        got = fused.exchange(x, sizes)
+    assert torch.equal(got, eager.exchange(x, sizes)) and not fused._compiled
+
+
 def test_onebit_exchange_lays_out_once(monkeypatch):
     from turbotrain.comm import onebit
 

@@ -250,6 +250,22 @@ def sc_onebit_exchange(info):
     return {"x": x, "outs": [comp.exchange(x, [60, 41]) for _ in range(30)]}
 
 
+ONEBIT_PART_SIZES = [300, 1000, 77]  # a 704-column chunk per rank: parts of 256, 256 and 192 columns
+
+
+def sc_onebit_parts(info):
+    from turbotrain.comm.onebit import OneBitCompressor
+
+    out = {}
+    for parts in (1, 3):
+        comp = OneBitCompressor(parts=parts)
+        xs = [torch.randn(sum(ONEBIT_PART_SIZES), generator=torch.Generator().manual_seed(k + 10 * info.rank))
+              for k in range(5)]
+        out[parts] = {"outs": [comp.exchange(x, ONEBIT_PART_SIZES) for x in xs], "bytes": comp.bytes_sent,
+                      "calls": comp.calls, "parts": len(comp._layout.parts)}
+    return out
+
+
 PSGD_BATCH_SHAPES = [(64, 48), (64, 48), (64, 48), (32, 40), (48,)]  # three of one shape: one batched QR
 PSGD_BATCH_STEPS = 8
 
@@ -383,8 +399,8 @@ def sc_engine_master(info):
 
 
 SCENARIOS = [sc_info, sc_cast, sc_accumulate, sc_powersgd, sc_powersgd_batched, sc_onebit, sc_onebit_bytes,
-             sc_onebit_exchange, sc_bench_points, sc_preflight, sc_found_inf, sc_sync_bn, sc_sparse, sc_engine,
-             sc_engine_master]
+             sc_onebit_exchange, sc_onebit_parts, sc_bench_points, sc_preflight, sc_found_inf, sc_sync_bn, sc_sparse,
+             sc_engine, sc_engine_master]
 
 
 def _worker(rank, world, port, out_dir, scenarios):
@@ -476,10 +492,10 @@ def _count_sign_bytes(comp) -> list[int]:
     """Bytes of packed signs (uint8 sends) the compressor's two collectives are handed, in a cell."""
     total = [0]
     for attr in ("_all_to_all", "_all_gather"):
-        def counted(send, original=getattr(comp, attr)):
+        def counted(send, *args, original=getattr(comp, attr), **kw):
             if send.dtype == torch.uint8:
                 total[0] += send.numel()
-            return original(send)
+            return original(send, *args, **kw)
         setattr(comp, attr, counted)
     return total
 
@@ -684,6 +700,17 @@ def test_onebit_exchange_matches_twin_and_error_feedback_converges(ranks):
 
     assert accumulated_error(1) > 0.2  # one bit per value is far from the mean
     assert accumulated_error(30) < accumulated_error(1) / 5
+
+
+def test_onebit_pipelined_exchange_is_the_same_bits_and_bytes_in_more_collectives(ranks):
+    res = result(ranks, "sc_onebit_parts")
+    for r in res:
+        whole, split = r[1], r[3]
+        assert whole["parts"] == 1 and split["parts"] == 3
+        for a, b in zip(whole["outs"], split["outs"]):
+            assert torch.equal(a, b)
+        assert split["bytes"] == whole["bytes"] and split["calls"] == 3 * whole["calls"]
+    assert torch.equal(res[0][3]["outs"][-1], res[1][3]["outs"][-1])  # the same mean on every rank
 
 
 def test_onebit_adam_matches_the_papers_algorithm_including_the_update_after_the_freeze(ranks):

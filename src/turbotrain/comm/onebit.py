@@ -58,9 +58,27 @@ compression does to early training, not whether 1-bit Adam converges.
 Host work per step is a fixed number of passes over the flat buffers plus one small op per
 tensor: the layout (segments, scales slots, masks) is computed once at the freeze, signs are
 packed straight from a comparison with 0 (one multiply per 8 signs) and unpacked with one table
-look-up, scales are applied per tensor slice, never gathered per element, the errors' masked
-positions are zeroed once per step instead of after every use, and masked elements are handled
-as whole rows wherever the mask holds whole rows (``_Masked``).
+look-up, scales are applied per tensor slice, never gathered per element (the decode looks bytes
+up in a table already scaled), the errors' masked positions are zeroed once per step instead of
+after every use, and masked elements are handled as whole rows wherever the mask holds whole
+rows (``_Masked``). Send and receive buffers are allocated once per layout.
+
+Two things cut what the exchange adds to a step on CPU hosts, where it is memory-bound work on
+the training thread:
+
+* the exchange is pipelined over up to ``PIPELINE_PARTS`` parts (column ranges of every server
+  chunk): a part's all_to_all starts as soon as its signs are packed, the worker error and the
+  server's average run while later parts travel, and so do the all_gathers and the decode. The
+  parts together carry exactly the unsplit exchange's bytes and every element sees the same
+  operations, so the result is bitwise the same; only the number of collectives grows.
+* on layouts of ``COMPILE_MIN_NUMEL`` elements or more, the elementwise steps that eager torch
+  runs as 2-4 passes each run as torch.compile'd single loops (dynamic sizes, compiled once, on
+  the first compressed step): momentum plus its add into the worker error, the sign packing, the
+  residual x - scale * sign(x) straight from x (no unpacking), and the clipped frozen update with
+  the weight decay. The packing and residuals are bitwise the eager ones; the momentum kernel
+  rounds b1 m + (1 - b1) g as the paper writes it (twice) where eager ``add_(g, alpha)`` fuses the
+  multiply-add, so an element whose m + e sits within an ulp of 0 can send the other sign.
+  Without a working compiler the kernels fall back to the eager steps, with one warning.
 
 >>> import torch
 >>> w = torch.nn.Parameter(torch.ones(3))
@@ -73,6 +91,7 @@ False
 
 import logging
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -93,6 +112,12 @@ DEFAULT_WARMUP_STEPS = 1000
 #: Tensors smaller than this go exact: 4096 fp32 values are 16 KiB, below a collective's latency.
 MIN_COMPRESS_NUMEL = 4096
 _ALIGN = 32  # elements per server chunk are a multiple of 32: whole bytes of signs, 4-byte aligned scales
+#: The exchange is cut into up to this many parts (columns of every server chunk), pipelined: a
+#: part's signs travel while the next part is packed, and the server averages a part while the
+#: later ones travel (gloo and NCCL run async collectives off the calling thread).
+PIPELINE_PARTS = 4
+#: Fewest elements per server chunk in a part: below it a part's collective is latency, not bytes.
+MIN_PART_NUMEL = 1 << 18
 #: byte value -> its 8 signs as +-1 (bit i set = element i is >= 0), for one-look-up unpacking
 _SIGN_TABLE = ((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1).float() * 2 - 1
 #: v * this moves bit 8i of v (the low bit of byte i) to bit 56 + i, for i = 0..7
@@ -120,16 +145,21 @@ def pack_signs(x: torch.Tensor, out: torch.Tensor | None = None, bits: torch.Ten
     group (0 or 1 each) are read as one little-endian int64 v, and v * 0x0102040810204080 carries
     byte i's bit to bit 56 + i with no other term reaching bits 56-63 (the 64 partial products
     land on distinct bits, so nothing carries), so one multiply and one shift pack the byte.
-    ``out``: uint8 holding x.numel() / 8 bytes, of any shape (e.g. the sign columns of a send
-    buffer); ``bits``: a reusable bool buffer of x's size; ``scratch``: a reusable int64 buffer of
-    x.numel() / 8 elements.
+    ``x``: 1-D, or a (rows, cols) view with cols % 8 == 0 (e.g. the same columns of every server
+    chunk), read in place; ``out``: uint8 holding x.numel() / 8 bytes, of any shape (e.g. the
+    sign columns of a send buffer); ``bits``: a reusable bool buffer of at least x's size;
+    ``scratch``: a reusable int64 buffer of at least x.numel() / 8 elements.
     """
-    bits = torch.ge(x.reshape(-1), 0, out=bits.reshape(-1) if bits is not None else None)
+    if x.dim() != 2:
+        x = x.reshape(-1)
+    n = x.numel()
+    bits = torch.ge(x, 0, out=bits.view(-1)[:n].view(x.shape) if bits is not None else None)
     v = bits.view(torch.uint8).view(torch.int64)
-    folded = torch.mul(v, _GATHER_BYTE_BITS, out=scratch)
+    folded = torch.mul(v, _GATHER_BYTE_BITS,
+                       out=scratch.view(-1)[:n // 8].view(v.shape) if scratch is not None else None)
     folded.bitwise_right_shift_(56).bitwise_and_(0xFF)  # the shift is arithmetic: drop the sign's copies
     if out is None:
-        return folded.to(torch.uint8)
+        return folded.view(-1).to(torch.uint8)
     out.copy_(folded.view(out.shape))
     return out
 
@@ -145,10 +175,16 @@ def _sign_table(device, dtype) -> torch.Tensor:
     return _TABLES[key]
 
 
-def unpack_signs(packed: torch.Tensor, dtype=torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
-    """+1/-1 per bit of ``pack_signs``' output, by one table look-up per byte (into ``out`` if given)."""
+def unpack_signs(packed: torch.Tensor, dtype=torch.float32, out: torch.Tensor | None = None,
+                 index: torch.Tensor | None = None) -> torch.Tensor:
+    """+1/-1 per bit of ``pack_signs``' output, by one table look-up per byte (into ``out`` if given;
+    ``index``: a reusable int32 buffer of at least ``packed.numel()`` elements)."""
     table = _sign_table(packed.device, dtype)
-    index = packed.reshape(-1).to(torch.int32)
+    if index is None:
+        index = packed.reshape(-1).to(torch.int32)
+    else:
+        index = index[:packed.numel()]
+        index.view(packed.shape).copy_(packed)
     if out is None:
         return torch.index_select(table, 0, index).view(-1)
     torch.index_select(table, 0, index, out=out.view(-1, 8))
@@ -179,15 +215,63 @@ class _Layout:
     mask: torch.Tensor | None
     """Global positions kept out of the compression, or None."""
     my_mask: torch.Tensor | None
+    parts: list
+    """The pipeline's stages (``_Part``): column ranges of every server chunk, sent one after another."""
 
     @property
     def row_bytes(self) -> int:
         return self.sign_bytes + 4 * self.slots
 
 
-def _build_layout(sizes: list[int], mask: torch.Tensor | None, world: int, rank: int, device) -> _Layout:
+@dataclass
+class _Part:
+    """Columns [lo, hi) of every server chunk: one all_to_all and one all_gather of the pipeline.
+
+    The first part's rows also carry the scale slots, so the parts together send exactly the
+    bytes of one unsplit exchange. Pieces are the layout's tensor pieces cut at the part's columns.
+    """
+
+    lo: int
+    hi: int
+    worker: list
+    """(server j, tensor k, start, end) in global positions: worker pieces in these columns."""
+    server: list
+    """(slot s, start, end) local to this rank's chunk."""
+    decode: list
+    """(server j, slot s, start, end) in global positions."""
+
+    @property
+    def sign_bytes(self) -> int:
+        return (self.hi - self.lo) // 8
+
+
+def _cut(pieces, lo: int, hi: int):
+    """The parts of (..., a, b) pieces inside [lo, hi), keeping the leading fields."""
+    return [(*rest, max(a, lo), min(b, hi)) for *rest, a, b in pieces if max(a, lo) < min(b, hi)]
+
+
+def _build_parts(chunk: int, count: int, world: int, tensors, segments, my_segments) -> list:
+    """``count`` column ranges of a chunk (multiples of _ALIGN, so every part's sign bytes keep the
+    scale slots 4-byte aligned) with their pieces."""
+    step = max(_ALIGN, math.ceil(chunk / (count * _ALIGN)) * _ALIGN)
+    parts = []
+    for lo in range(0, chunk, step):
+        hi = min(lo + step, chunk)
+        worker = [(j, *piece) for j in range(world)
+                  for piece in _cut([(k, a, b) for k, (a, b) in enumerate(tensors)], j * chunk + lo, j * chunk + hi)]
+        decode = [piece for j in range(world) for piece in _cut([sg for sg in segments if sg[0] == j],
+                                                                j * chunk + lo, j * chunk + hi)]
+        server = _cut([(s, a, b) for s, (a, b) in enumerate(my_segments)], lo, hi)
+        parts.append(_Part(lo, hi, worker, server, decode))
+    return parts
+
+
+def _build_layout(sizes: list[int], mask: torch.Tensor | None, world: int, rank: int, device,
+                  parts: int | None = None) -> _Layout:
     total = sum(sizes)
     chunk = max(_ALIGN, math.ceil(total / (world * _ALIGN)) * _ALIGN)
+    if parts is None:
+        parts = max(1, min(PIPELINE_PARTS, chunk // MIN_PART_NUMEL))
     starts = [0]
     for s in sizes:
         starts.append(starts[-1] + s)
@@ -229,21 +313,18 @@ def _build_layout(sizes: list[int], mask: torch.Tensor | None, world: int, rank:
     if mask_sorted is not None:
         local = mask_sorted[(mask_sorted >= base) & (mask_sorted < base + chunk)] - base
         my_mask = local.to(device) if local.numel() else None
+    tensors = [(starts[k], starts[k + 1]) for k in range(len(sizes))]
+    my_segments = [(a - base, b - base) for _, a, b in mine]
     return _Layout(
-        sizes=list(sizes), tensors=[(starts[k], starts[k + 1]) for k in range(len(sizes))], total=total,
+        sizes=list(sizes), tensors=tensors, total=total,
         chunk=chunk, sign_bytes=chunk // 8, slots=slots,
         inv_sqrt_counts=torch.tensor(inv_counts + [0.0], device=device),
         slot_tensor=slot_tensor.to(device), segments=segments,
-        my_segments=[(a - base, b - base) for _, a, b in mine],
+        my_segments=my_segments,
         my_inv_sqrt_counts=torch.tensor([inv_sqrt((b - a) - masked_in(a, b)) for _, a, b in mine] or [0.0],
                                         device=device),
-        mask=mask_sorted.to(device) if mask_sorted is not None else None, my_mask=my_mask)
-
-
-def _subtract_signs_(x: torch.Tensor, signs: torch.Tensor, pieces, scales: torch.Tensor) -> None:
-    """x <- x - scale_k * sign(x) on every piece: what the compressed value missed (the new error)."""
-    for i, (a, b) in enumerate(pieces):
-        x[a:b].addcmul_(signs[a:b], scales[i], value=-1.0)
+        mask=mask_sorted.to(device) if mask_sorted is not None else None, my_mask=my_mask,
+        parts=_build_parts(chunk, parts, world, tensors, segments, my_segments))
 
 
 def _piece_scales(x: torch.Tensor, pieces, inv_sqrt_counts: torch.Tensor) -> torch.Tensor:
@@ -255,7 +336,14 @@ def _piece_scales(x: torch.Tensor, pieces, inv_sqrt_counts: torch.Tensor) -> tor
 class OneBitCompressor:
     """Error-compensated 1-bit mean of one flat fp32 buffer over the group (worker and server errors)."""
 
-    def __init__(self, group=None):
+    def __init__(self, group=None, parts: int | None = None, compile_kernels: bool | None = None):
+        if parts is not None and (isinstance(parts, bool) or not isinstance(parts, int) or parts < 1):
+            raise ConfigError(f"OneBitCompressor parts={parts!r} must be an integer >= 1 (or None: by size)")
+        self.parts = parts
+        """Pipeline parts of the exchange; None: up to PIPELINE_PARTS, none under MIN_PART_NUMEL columns."""
+        self.compile_kernels = compile_kernels
+        """Run the elementwise steps through torch.compile; None: for layouts of COMPILE_MIN_NUMEL or more."""
+        self._compiled = False
         self.worker_error: torch.Tensor | None = None
         self.server_error: torch.Tensor | None = None
         self.hook_state: HookState | None = None
@@ -266,7 +354,8 @@ class OneBitCompressor:
         part of the all_gather); 0 in one process, where nothing is sent."""
         self._layout: _Layout | None = None
         self._key = None
-        self._signs = self._bits = self._fold = None
+        self._signs = self._bits = self._fold = self._index = None
+        self._wire: dict = {}
         self.bind(group)
 
     def bind(self, group=None) -> None:
@@ -286,11 +375,16 @@ class OneBitCompressor:
         """Lay out tensors of ``sizes`` (``mask``: global positions to leave out); returns the padded
         length the buffers passed to ``allreduce_`` must have. Cached: same arguments, no work."""
         key = (tuple(sizes), None if mask is None else (mask.data_ptr(), mask.numel()), self.world, self.rank,
-               str(device))
+               str(device), self.parts)
         if self._key == key:
             return self._layout.chunk * self.world
-        self._layout = _build_layout(list(sizes), mask, self.world, self.rank, device)
+        self._layout = _build_layout(list(sizes), mask, self.world, self.rank, device, self.parts)
         self._key = key
+        self._compiled = (self.compile_kernels if self.compile_kernels is not None
+                          else self._layout.total >= COMPILE_MIN_NUMEL) and not _COMPILE_FAILED
+        if self._compiled:
+            logger.info("1-bit Adam: %d compressed elements; residuals and the frozen update run as "
+                        "torch.compile'd kernels (compiled on the first compressed step)", self._layout.total)
         padded, chunk = self._layout.chunk * self.world, self._layout.chunk
         if self.worker_error is None or self.worker_error.numel() != padded:
             if self.worker_error is not None:
@@ -303,51 +397,149 @@ class OneBitCompressor:
         self._signs = torch.empty(padded, device=device)
         self._bits = torch.empty(padded, dtype=torch.bool, device=device)
         self._fold = torch.empty(padded // 8, dtype=torch.int64, device=device)
+        self._index = torch.empty(padded // 8, dtype=torch.int32, device=device)
+        self._wire = self._wire_buffers(device)
         return padded
 
-    def allreduce_(self, buf: torch.Tensor) -> torch.Tensor:
+    def _wire_buffers(self, device) -> dict:
+        """Per part: the all_to_all's send and receive rows (n, part bytes) and the all_gather's reply
+        row and gathered rows; part 0's rows end in the scale slots. Allocated once per layout."""
+        lay, n = self._layout, self.world
+        widths = [p.sign_bytes + (4 * lay.slots if i == 0 else 0) for i, p in enumerate(lay.parts)]
+
+        def rows(count):
+            flat = torch.zeros(count * sum(widths), dtype=torch.uint8, device=device)
+            out, at = [], 0
+            for w in widths:
+                out.append(flat[at:at + count * w].view(count, w))
+                at += count * w
+            return out
+
+        sends = rows(n)
+        replies = [r.view(-1) for r in rows(1)]
+        one = n == 1  # one process: nothing travels, what is received is what was sent
+        return {"send": sends, "recv": sends if one else rows(n), "reply": replies,
+                "gathered": [r.view(1, -1) for r in replies] if one else rows(n)}
+
+    def allreduce_(self, buf: torch.Tensor, compensated: bool = False) -> torch.Tensor:
         """In place: ``buf[:total]`` (this rank's values) becomes the compressed mean, identical on
         every rank. Masked positions and the padding hold nothing of use: the caller puts its exact
         values back (``exchange`` zeroes them). The errors' masked positions are don't-cares too:
-        each is zeroed after the add that would read it, so no pass resets them after use."""
-        lay = self._layout
-        n, sb = self.world, lay.sign_bytes
-        tensors = lay.tensors
+        each is zeroed after the add that would read it, so no pass resets them after use.
+
+        Pipelined over the layout's parts: every part's all_to_all is started as soon as its signs
+        are packed, the worker error is updated while they travel, the server averages part k as
+        soon as it has arrived, and the decode of part k runs while the later all_gathers travel.
+        Every element sees the same operations as in one unsplit exchange, so parts change no bit.
+        ``compensated``: the caller has already added ``buf`` into the worker error (``momentum_``)."""
+        lay, wire = self._layout, self._wire
+        n, c = self.world, lay.chunk
+        first = lay.parts[0]
         # Worker: compensate, one scale per tensor, keep the residual as the next error.
         w = self.worker_error
-        w[:lay.total].add_(buf[:lay.total])
+        if not compensated:
+            w[:lay.total].add_(buf[:lay.total])
         if lay.mask is not None:
             w.index_fill_(0, lay.mask, 0.0)
-        scales = _piece_scales(w, tensors, lay.inv_sqrt_counts)
-        send = torch.empty(n, lay.row_bytes, dtype=torch.uint8, device=w.device)
-        pack_signs(w, out=send[:, :sb], bits=self._bits, scratch=self._fold)
-        slot_scales = torch.cat([scales, scales.new_zeros(1)])[lay.slot_tensor]
-        send[:, sb:].view(torch.float32).copy_(slot_scales)
-        _subtract_signs_(w, unpack_signs(send[:, :sb], out=self._signs), tensors, scales)
-        recv = self._all_to_all(send)
+        scales = _piece_scales(w, lay.tensors, lay.inv_sqrt_counts)
+        wire["send"][0][:, first.sign_bytes:].view(torch.float32).copy_(
+            torch.cat([scales, scales.new_zeros(1)])[lay.slot_tensor])
+        rows = w.view(n, c)
+        sent = []
+        for part, send, recv in zip(lay.parts, wire["send"], wire["recv"]):
+            self._pack(rows[:, part.lo:part.hi], send[:, :part.sign_bytes])
+            sent.append(self._all_to_all(send, recv, async_op=True))
+        for part, send in zip(lay.parts, wire["send"]):
+            signs = None
+            for j, k, a, b in part.worker:
+                if self.kernel(_sub_sign, w[a:b], scales[k]):
+                    continue
+                if signs is None:
+                    signs = self._unpacked(send[:, :part.sign_bytes])
+                at = a - j * c - part.lo
+                w[a:b].addcmul_(signs[j, at:at + b - a], scales[k], value=-1.0)
 
         # Server for chunk `rank`: average the n decompressed chunks, compensate, compress again.
         z = self.server_error
-        signs = unpack_signs(recv[:, :sb], out=self._signs).view(n, lay.chunk)
-        worker_scales = recv[:, sb:].view(torch.float32)
-        for s, (a, b) in enumerate(lay.my_segments):
-            z[a:b].addmv_(signs[:, a:b].t(), worker_scales[:, s], alpha=1.0 / n)
+        for part, recv, work in zip(lay.parts, wire["recv"], sent):
+            _wait(work)
+            signs = self._unpacked(recv[:, :part.sign_bytes])
+            worker_scales = wire["recv"][0][:, first.sign_bytes:].view(torch.float32)
+            for s, a, b in part.server:
+                z[a:b].addmv_(signs[:, a - part.lo:b - part.lo].t(), worker_scales[:, s], alpha=1.0 / n)
         if lay.my_mask is not None:
             z.index_fill_(0, lay.my_mask, 0.0)
-        reply = torch.zeros(lay.row_bytes, dtype=torch.uint8, device=z.device)
-        pack_signs(z, out=reply[:sb], bits=self._bits[:lay.chunk], scratch=self._fold[:lay.chunk // 8])
+        server_scales = None
         if lay.my_segments:
             server_scales = _piece_scales(z, lay.my_segments, lay.my_inv_sqrt_counts)
-            reply[sb:sb + 4 * len(lay.my_segments)].view(torch.float32).copy_(server_scales)
-            _subtract_signs_(z, unpack_signs(reply[:sb], out=self._signs[:lay.chunk]), lay.my_segments, server_scales)
-        gathered = self._all_gather(reply).view(n, lay.row_bytes)
+            wire["reply"][0][first.sign_bytes:first.sign_bytes + 4 * len(lay.my_segments)].view(
+                torch.float32).copy_(server_scales)
+        gathered = []
+        for part, reply, out in zip(lay.parts, wire["reply"], wire["gathered"]):
+            self._pack(z[part.lo:part.hi].view(1, -1), reply[:part.sign_bytes].view(1, -1))
+            gathered.append(self._all_gather(reply, out.view(-1), async_op=True))
+        if server_scales is not None:
+            for part, reply in zip(lay.parts, wire["reply"]):
+                signs = None
+                for s, a, b in part.server:
+                    if self.kernel(_sub_sign, z[a:b], server_scales[s]):
+                        continue
+                    if signs is None:
+                        signs = self._unpacked(reply[:part.sign_bytes].view(1, -1))[0]
+                    z[a:b].addcmul_(signs[a - part.lo:b - part.lo], server_scales[s], value=-1.0)
 
         # Everyone: decode all chunks straight into buf, one scale per tensor piece.
-        unpack_signs(gathered[:, :sb], out=buf[:n * lay.chunk])
-        scales_back = gathered[:, sb:].view(torch.float32)
-        for j, s, a, b in lay.segments:
-            buf[a:b].mul_(scales_back[j, s])
+        table = _sign_table(buf.device, buf.dtype)
+        for part, out, work in zip(lay.parts, wire["gathered"], gathered):
+            _wait(work)
+            scales_back = wire["gathered"][0][:, first.sign_bytes:].view(torch.float32)
+            index = self._index[:out.shape[0] * part.sign_bytes].view(out.shape[0], -1)
+            index.copy_(out[:, :part.sign_bytes])
+            for j, s, a, b in part.decode:
+                at = a - j * c - part.lo
+                if at % 8 == 0 and (b - a) % 8 == 0:  # whole bytes: one look-up in the scaled table
+                    torch.index_select(table * scales_back[j, s], 0, index[j, at // 8:(at + b - a) // 8],
+                                       out=buf[a:b].view(-1, 8))
+                else:
+                    lo = at // 8
+                    hi = -(-(at + b - a) // 8)
+                    signs = unpack_signs(out[j, lo:hi], out=self._signs[:8 * (hi - lo)])
+                    torch.mul(signs[at - 8 * lo:at - 8 * lo + b - a], scales_back[j, s], out=buf[a:b])
         return buf
+
+    def kernel(self, fn, *args) -> bool:
+        """Run ``fn`` (one of this module's elementwise steps) compiled, if this layout uses the
+        compiled kernels; False: the caller runs its eager version."""
+        if not self._compiled:
+            return False
+        if _run_compiled(fn, *args):
+            return True
+        self._compiled = False
+        return False
+
+    def momentum_(self, m: torch.Tensor, g: torch.Tensor, start: int, beta1: float) -> None:
+        """m <- beta1 m + (1 - beta1) g, also added into the worker error at flat position ``start``
+        (x = m + e, for ``allreduce_(buf, compensated=True)``): one compiled pass where the layout
+        uses the kernels, else the eager steps."""
+        e = self.worker_error[start:start + m.numel()]
+        if not self.kernel(_momentum_into_error, m.view(-1), g.reshape(-1), e, *_scalars(m, beta1, 1 - beta1)):
+            m.mul_(beta1).add_(g, alpha=1 - beta1)
+            e.add_(m.view(-1))
+
+    def _pack(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        """``pack_signs`` of (rows, cols) ``x`` into (rows, cols / 8) ``out``, compiled where the layout is."""
+        if not self.kernel(_pack_rows, x, out):
+            pack_signs(x, out=out, bits=self._bits, scratch=self._fold)
+
+    def scratch(self, shape) -> torch.Tensor:
+        """A view of ``shape`` (at most the padded length) of the sign buffer, which holds nothing
+        between exchanges: the optimizer's update temporaries reuse it instead of allocating."""
+        return self._signs[:math.prod(shape)].view(shape)
+
+    def _unpacked(self, packed: torch.Tensor) -> torch.Tensor:
+        """(rows, 8 x bytes) +-1 signs of (rows, bytes) packed ones, in the reused sign buffer."""
+        count = packed.numel() * 8
+        return unpack_signs(packed, out=self._signs[:count], index=self._index).view(packed.shape[0], -1)
 
     def exchange(self, flat: torch.Tensor, sizes: list[int], mask: torch.Tensor | None = None) -> torch.Tensor:
         """The compressed mean of ``flat`` (laid out as tensors of ``sizes``) over the group, as a new
@@ -366,21 +558,23 @@ class OneBitCompressor:
         if self.hook_state is not None:
             self.hook_state.count(nbytes)
 
-    def _all_to_all(self, send: torch.Tensor) -> torch.Tensor:
+    def _all_to_all(self, send: torch.Tensor, recv: torch.Tensor | None = None, async_op: bool = False):
+        """``send``'s rows scattered over the ranks; with ``async_op`` returns (recv, work or None)."""
         if self.world == 1:
-            return send
-        recv = torch.empty_like(send)
+            return (send, None) if async_op else send
+        recv = torch.empty_like(send) if recv is None else recv
         self._count(send.numel() * send.element_size())
-        dist.all_to_all_single(recv, send, group=self.group)
-        return recv
+        work = dist.all_to_all_single(recv, send, group=self.group, async_op=async_op)
+        return (recv, work) if async_op else recv
 
-    def _all_gather(self, send: torch.Tensor) -> torch.Tensor:
+    def _all_gather(self, send: torch.Tensor, out: torch.Tensor | None = None, async_op: bool = False):
+        """Every rank's ``send``, concatenated; with ``async_op`` returns (out, work or None)."""
         if self.world == 1:
-            return send
-        out = send.new_empty(self.world * send.numel())
+            return (send, None) if async_op else send
+        out = send.new_empty(self.world * send.numel()) if out is None else out
         self._count(send.numel() * send.element_size())
-        all_gather_flat(out, send, group=self.group)
-        return out
+        work = all_gather_flat(out, send, group=self.group, async_op=async_op)
+        return (out, work) if async_op else out
 
     def state_dict(self) -> dict:
         def copy(t):
@@ -392,6 +586,68 @@ class OneBitCompressor:
         self.worker_error = sd.get("worker_error")
         self.server_error = sd.get("server_error")
         self._layout, self._key = None, None
+
+
+#: Layouts of at least this many elements run their residual and parameter update as compiled
+#: kernels (one fused loop each instead of 2-4 eager passes; sizes are dynamic, so each kernel is
+#: compiled once); below it a compile costs more than it saves.
+COMPILE_MIN_NUMEL = 1 << 20
+_COMPILED: dict = {}
+_COMPILE_FAILED: list = []
+
+
+def _sub_sign(x: torch.Tensor, scale: torch.Tensor) -> None:
+    """x <- x - scale * sign(x), sign +1 at 0 as packed: the residual, from x alone (no unpacking)."""
+    x.copy_(torch.where(x >= 0, x - scale, x + scale))
+
+
+def _pack_rows(x: torch.Tensor, out: torch.Tensor) -> None:
+    """``pack_signs`` as one loop: byte i of a row holds the signs of its elements 8i .. 8i + 7."""
+    bits = (x >= 0).view(x.shape[0], -1, 8).to(torch.int32)
+    packed = bits[..., 0]
+    for i in range(1, 8):
+        packed = packed | (bits[..., i] << i)
+    out.copy_(packed.to(torch.uint8))
+
+
+def _momentum_into_error(m, g, e, beta1, rest) -> None:
+    """m <- beta1 m + rest g (the paper's two roundings) and e <- e + m, in one loop."""
+    new = m * beta1 + g * rest
+    m.copy_(new)
+    e.copy_(e + new)
+
+
+def _clipped_update(p, m, denom, decay, alpha, bound) -> None:
+    """p <- p * decay + alpha * clamp(m / denom, -bound, bound): weight decay and the clipped step."""
+    p.copy_(p * decay + torch.clamp(m / denom, -bound, bound) * alpha)
+
+
+def _scalars(like: torch.Tensor, *values: float) -> list:
+    """0-d tensors for a compiled kernel: Python floats would be baked in and recompile each step."""
+    return [torch.tensor(v, dtype=like.dtype, device=like.device) for v in values]
+
+
+def _run_compiled(fn, *args) -> bool:
+    """``fn`` compiled (once, dynamic sizes); False, after one warning, where torch.compile cannot run."""
+    if _COMPILE_FAILED:
+        return False
+    if fn not in _COMPILED:
+        _COMPILED[fn] = torch.compile(fn, dynamic=True, fullgraph=True)
+    try:
+        _COMPILED[fn](*args)
+    except Exception as exc:  # e.g. no C++ compiler for Inductor: said once, eager from here on
+        _COMPILE_FAILED.append(exc)
+        warnings.warn(f"1-bit Adam: torch.compile of its kernels failed ({type(exc).__name__}: {exc}); they run "
+                      "eagerly (2-4 passes over memory each instead of one). Inductor on CPU needs a C++ "
+                      "compiler (e.g. apt-get install g++).", RuntimeWarning, stacklevel=3)
+        return False
+    return True
+
+
+def _wait(started) -> None:
+    """Wait for an async collective's (result, work) pair (work is None in one process)."""
+    if started[1] is not None:
+        started[1].wait()
 
 
 def _starts(sizes):
@@ -486,6 +742,8 @@ class _Flat:
     buffer: torch.Tensor
     views: list
     mask: torch.Tensor | None
+    starts: dict
+    """Parameter position -> where its momentum starts in ``buffer``."""
 
 
 class OneBitAdam(torch.optim.Optimizer):
@@ -609,7 +867,7 @@ class OneBitAdam(torch.optim.Optimizer):
             view.copy_(self._state(p)["exp_avg"])
             self.state[p]["exp_avg"] = view
             views.append(view)
-        self._flat = _Flat([p for _, p in entries], buffer, views, mask)
+        self._flat = _Flat([p for _, p in entries], buffer, views, mask, {i: a for (i, _), a in zip(entries, starts)})
         return self._flat
 
     @torch.no_grad()
@@ -627,13 +885,17 @@ class OneBitAdam(torch.optim.Optimizer):
         masks = self._masked() if compress else {}
         if masks:
             self._average_masked(grads, masks)
+        flat = self._flat_momentum() if compress and any(self.compresses(p) for _, _, p in self._params()) else None
         entries = []
         for i, group, p in self._params():
             st = self._state(p)
             beta1, beta2 = group["betas"]
             g = grads[i]
             frozen = compress and self.compresses(p)
-            st["exp_avg"].mul_(beta1).add_(g, alpha=1 - beta1)
+            if frozen:  # the momentum, and x = m + e of the exchange in the same pass
+                self.compressor.momentum_(st["exp_avg"], g, flat.starts[i], beta1)
+            else:
+                st["exp_avg"].mul_(beta1).add_(g, alpha=1 - beta1)
             running_v = None
             if not frozen:
                 st["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
@@ -642,12 +904,11 @@ class OneBitAdam(torch.optim.Optimizer):
                 running_v.mul_(beta2).addcmul_(gm, gm, value=1 - beta2)
                 masks[i].put_(st["exp_avg_sq"], running_v)
             entries.append((i, group, p, st, frozen, running_v))
-        if compress and any(e[4] for e in entries):
-            flat = self._flat_momentum()
+        if flat is not None:
             # the exchange leaves nothing of use at masked positions: their exact momenta go back after it
             kept = [(masks[i], st["exp_avg"], masks[i].taken(st["exp_avg"]))
                     for i, _, _, st, frozen, _ in entries if frozen and i in masks]
-            self.compressor.allreduce_(flat.buffer)
+            self.compressor.allreduce_(flat.buffer, compensated=True)
             for mask, momentum, values in kept:
                 mask.put_(momentum, values)
         for i, group, p, st, frozen, running_v in entries:
@@ -658,13 +919,22 @@ class OneBitAdam(torch.optim.Optimizer):
                 denom = st["exp_avg_sq"].sqrt().div_(math.sqrt(1 - beta2 ** t)).add_(group["eps"])
             if running_v is not None:
                 masks[i].put_(denom, running_v.sqrt_().div_(math.sqrt(1 - beta2 ** t)).add_(group["eps"]))
-            if group["weight_decay"]:
-                p.mul_(1 - group["lr"] * group["weight_decay"])
+            decay = 1 - group["lr"] * group["weight_decay"]
             step_size = group["lr"] / (1 - beta1 ** t)
             bound = adam_step_bound((beta1, beta2))
-            if frozen and self.clip_updates and bound < math.inf:
-                step = st["exp_avg"].div(denom).mul_(1 / (1 - beta1 ** t)).clamp_(-bound, bound)
-                p.add_(step.to(p.dtype), alpha=-group["lr"])
+            clipped = frozen and self.clip_updates and bound < math.inf
+            # m / denom clipped at bound x (1 - b1^t), scaled by lr / (1 - b1^t): the clip of
+            # m_hat / denom at bound, with the bias correction folded into the bound and the step
+            c1 = 1 - beta1 ** t
+            if clipped and p.dtype == torch.float32 and self.compressor.kernel(
+                    _clipped_update, p, st["exp_avg"], denom, *_scalars(p, decay, -group["lr"] / c1, bound * c1)):
+                continue
+            if group["weight_decay"]:
+                p.mul_(decay)
+            if clipped:  # eager: in the exchange's free sign buffer
+                step = torch.div(st["exp_avg"], denom, out=self.compressor.scratch(p.shape))
+                step.clamp_(-bound * c1, bound * c1)
+                p.add_(step.to(p.dtype), alpha=-group["lr"] / c1)
             elif p.dtype == torch.float32:
                 p.addcdiv_(st["exp_avg"], denom, value=-step_size)
             else:
