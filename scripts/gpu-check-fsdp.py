@@ -12,7 +12,8 @@ launcher runs the check again on one rank, which still drives ``fully_shard``, t
 
 On every rank: a small turbotrain gpt under ``Config(precision="bf16-master",
 parallel=ParallelConfig())`` for 20 steps on learnable counting sequences, then a sharded
-``engine.save`` loaded into a fresh Engine. Rank 0 prints the checks and, last, the result line:
+``engine.save`` loaded into a fresh Engine; on two ranks also tensor + sequence parallel (its
+vocabulary-parallel loss) and context parallel (``cp=2``), 20 steps each, the loss falling. Rank 0 prints the checks and, last, the result line:
     gpu-check-fsdp: RESULT PASS fsdp2 world 2 on 1 GPU(s): loss 6.24->1.10, state 0.50x unsharded, ...
 """
 
@@ -120,7 +121,7 @@ def full_state(engine) -> dict:
     return out
 
 
-def build(device):
+def build(device, parallel=None):
     import torch
 
     from turbotrain import Config, Engine
@@ -129,8 +130,32 @@ def build(device):
 
     wl = get_workload("gpt", **SHAPE)
     model = wl.build_model()  # seeded: the same weights on every rank
-    config = Config(device=device.type, precision="bf16-master", parallel=ParallelConfig())
+    config = Config(device=device.type, precision="bf16-master", parallel=parallel or ParallelConfig())
     return Engine(model, torch.optim.AdamW(model.parameters(), lr=LR), wl.loss_fn, config=config), wl
+
+
+#: The splits checked besides FSDP2 when there are two ranks: every rank trains on the same rows.
+SPLITS = {"tp+sp": dict(dp_shard=1, tp=2, sequence_parallel=True),  # vocabulary-parallel loss (loss_parallel)
+          "cp": dict(dp_shard=1, cp=2)}                             # attention by all-to-all over heads
+
+
+def check_split(name: str, rank: int, world: int, device) -> str | None:
+    """Tensor + sequence parallel, or context parallel, on two ranks for STEPS steps: None, or what went wrong."""
+    import torch
+    import torch.distributed as dist
+
+    from turbotrain.parallel import ParallelConfig
+
+    engine, _ = build(device, ParallelConfig(**SPLITS[name]))
+    losses = []
+    for step in range(STEPS):
+        loss = engine.step(counting_batch(step, device)).loss.detach().float()
+        dist.all_reduce(loss)
+        losses.append(float(loss) / world)
+    first, last = losses[0], sum(losses[-5:]) / 5
+    if not (torch.isfinite(torch.tensor(losses)).all() and last < first):
+        return f"{name}: loss did not fall ({first:.3f} -> {last:.3f})"
+    return None
 
 
 def check(rank: int, world: int, device, where: str) -> tuple[bool, str]:
@@ -180,10 +205,15 @@ def check(rank: int, world: int, device, where: str) -> tuple[bool, str]:
     dist.barrier()
     if rank == 0:
         shutil.rmtree(shared[0], ignore_errors=True)
+    splits = "tp+sp and cp not run (one rank)"
+    if world == 2:
+        problems += [p for p in (check_split(name, rank, world, device) for name in SPLITS) if p]
+        splits = "tp+sp (loss_parallel) and cp trained"
     if problems:
         return False, f"fsdp2 world {world} on {where}: " + "; ".join(problems)
     return True, (f"fsdp2 world {world} on {where}: loss {first:.2f}->{last:.2f} in {STEPS} bf16-master steps, "
-                  f"weights + Adam state {ratio:.2f}x unsharded per rank, sharded checkpoint reloaded exactly")
+                  f"weights + Adam state {ratio:.2f}x unsharded per rank, sharded checkpoint reloaded exactly; "
+                  f"{splits}")
 
 
 def run_rank(backend: str) -> int:
