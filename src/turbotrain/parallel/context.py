@@ -29,6 +29,10 @@ from torch.overrides import TorchFunctionMode
 from ..batch import IGNORE_INDEX, accepts_keyword
 from ..errors import ConfigError
 
+# The stock op as imported, held the way fusion.attention holds it (importing it from there would
+# close a cycle: turbotrain.config imports this package, and fusion imports turbotrain.config).
+_SDPA = torch.nn.functional.scaled_dot_product_attention
+
 __all__ = ["ContextParallelMode", "context_parallel_runner", "split_batch", "sequence_to_heads", "heads_to_sequence",
            "check_cp_model"]
 
@@ -92,14 +96,11 @@ class ContextParallelMode(TorchFunctionMode):
     """
 
     def __init__(self, group, cp: int):
-        # Imported here: turbotrain.config imports this package, and fusion imports turbotrain.config.
-        from ..fusion.attention import _SDPA  # the stock op, held as the mode there holds it
-
         super().__init__()
         self.group = group
         self.cp = cp
         self.calls = 0
-        self._sdpa = _SDPA
+        self._sdpa = _SDPA  # the stock op, called for this rank's slice and never dispatched again
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
