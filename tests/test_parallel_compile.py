@@ -1,9 +1,9 @@
 """compile=True on a sharded Engine: FSDP2 (dp_shard=2) and tensor + sequence parallel (tp=2), 2 gloo ranks.
 
 The turbotrain gpt workload and a tiny Hugging Face LlamaForCausalLM (built from a config, its own
-``labels=`` loss) each train twice through the Engine, compiled and not, on the same rows; the
-uncompiled sharded run is the reference (its own parity with one plain process is
-test_parallel_dist's and test_parallel_parity's). Spawned with test_parallel_dist's helpers.
+``labels=`` loss; under tp with loss_parallel=False, the combination that compiles) each train twice
+through the Engine, compiled and not, on the same rows; the uncompiled sharded run is the reference
+(its own parity with one plain process is test_parallel_dist's and test_parallel_parity's). Spawned with test_parallel_dist's helpers.
 """
 
 from __future__ import annotations
@@ -67,18 +67,29 @@ def sc_compile_fsdp_hf(info, shared):
     return _compiled_and_eager(cfg(dp_shard=2), info["rank"], _hf)
 
 
-def sc_compile_tp_sp_hf_refused(info, shared):
-    """Measured wrong in torch 2.13 (compiled losses [4.862, 4.723, 4.805, 4.888] against eager's
-    [4.862, 4.722, 4.741, 4.610]), so the Engine refuses it; drop the refusal to see it again."""
+def sc_compile_tp_sp_hf(info, shared):
+    """The embedding runs outside compile; before it handed the compiled layers an AsyncCollectiveTensor,
+    whose autograd link torch 2.13 drops, and the compiled losses left eager's from the third step."""
+    return _compiled_and_eager(cfg(tp=2, sequence_parallel=True, loss_parallel=False), None, _hf)
+
+
+def sc_compile_tp_hf(info, shared):
+    return _compiled_and_eager(cfg(tp=2, loss_parallel=False), None, _hf)
+
+
+def sc_compile_tp_sp_hf_loss_parallel_refused(info, shared):
+    """With loss_parallel=True AOTAutograd's backward fails in torch 2.13 ("Expected a DTensor tangent but
+    got a plain Tensor"), so the Engine refuses it; drop the refusal to see it again."""
     from turbotrain.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="compile=False with tp") as refused:
-        _losses(cfg(tp=2, sequence_parallel=True), None, True, _hf)
-    eager = _losses(cfg(tp=2, sequence_parallel=True), None, False, _hf)  # the Engine is usable without compile
+    with pytest.raises(ConfigError, match="loss_parallel=False") as refused:
+        _losses(cfg(tp=2, sequence_parallel=True, loss_parallel=True), None, True, _hf)
+    eager = _losses(cfg(tp=2, sequence_parallel=True, loss_parallel=True), None, False, _hf)  # usable uncompiled
     return {"refused": str(refused.value), "eager": eager}
 
 
-SCENARIOS = {"gpt": [sc_compile_fsdp, sc_compile_tp_sp], "hf": [sc_compile_fsdp_hf, sc_compile_tp_sp_hf_refused]}
+SCENARIOS = {"gpt": [sc_compile_fsdp, sc_compile_tp_sp],
+             "hf": [sc_compile_fsdp_hf, sc_compile_tp_sp_hf, sc_compile_tp_hf, sc_compile_tp_sp_hf_loss_parallel_refused]}
 
 
 @pytest.fixture(scope="module")

@@ -78,6 +78,9 @@ class TPLayout:
     compiles: bool = True
     """False where torch.compile over this plan was measured to train wrong, so the Engine refuses
     ``compile=True`` with tensor parallel on it rather than train a wrong model."""
+    compiles_loss_parallel: bool = True
+    """False where torch.compile over this plan fails with ``ParallelConfig(loss_parallel=True)``, so
+    the Engine refuses that combination (compile with ``loss_parallel=False`` stays allowed)."""
 
 
 _LAYOUTS: list[TPLayout] = []
@@ -198,11 +201,17 @@ def root_plan(layout: TPLayout, sequence_parallel: bool, loss_parallel: bool = F
 
 
 class _OwnTensor(torch.autograd.Function):
-    """``x``'s values as a tensor that is not a view (same storage and version counter, no copy)."""
+    """``x``'s values as a plain tensor that is not a view (same storage and version counter, no copy).
+
+    An ``AsyncCollectiveTensor`` (what ``DTensor.to_local()`` hands out after an async redistribute)
+    is waited for: it is a tensor subclass, and passed on as one it reaches torch.compile's graph.
+    """
 
     @staticmethod
     def forward(ctx, x):
-        return x.detach()
+        from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+        return (x.wait() if isinstance(x, AsyncCollectiveTensor) else x).detach()
 
     @staticmethod
     def backward(ctx, grad):
@@ -213,14 +222,24 @@ def _own_tensor_output(module, args, output):
     return _OwnTensor.apply(output) if isinstance(output, torch.Tensor) and output._base is not None else output
 
 
+def _plain_output(module, args, output):
+    return _OwnTensor.apply(output) if isinstance(output, torch.Tensor) else output
+
+
 def embedding_outside_compile(model: nn.Module, layout: TPLayout) -> None:
     """Run the vocabulary-parallel embedding (its lookup, masking and all-reduce) outside torch.compile.
 
     Compiling it fails in torch 2.13 ("Mixing fake modes NYI" at the embedding: the MaskPartial
     placement keeps its mask between Dynamo's and AOTAutograd's fake modes; torchtitan issue 534),
     so a compiled forward breaks its graph there and compiles the rest. Without compile nothing changes.
+
+    The embedding hands the compiled code a plain tensor: its all-reduced rows come out of
+    ``to_local()`` as an ``AsyncCollectiveTensor``, and where such a tensor is a compiled graph's
+    input (HF Llama's layers, after its graph breaks) torch 2.13 drops its autograd link, so the
+    embedding got no gradient and the compiled losses left eager's from the third step.
     """
     embedding = model.get_submodule(layout.embedding)
+    embedding.register_forward_hook(_plain_output)
     # _call_impl, not forward: the plan's layout changes (and the mask's reduction) are hooks around forward.
     embedding._call_impl = torch.compiler.disable(embedding._call_impl)
 
@@ -285,9 +304,10 @@ for _layout in (
              ("q_proj", "k_proj", "v_proj"), "o_proj", "mlp", ("gate_proj", "up_proj"), "down_proj",
              ("input_layernorm", "post_attention_layernorm"), "model.embed_tokens", "model.norm", "lm_head",
              _hf_heads, None, attention_kwarg="hidden_states",
-             # torch 2.13, tp=2 + sequence parallel, compile=True: the first loss matches eager, then the
-             # compiled run's loss rises while eager's falls (wrong gradients; tests/test_parallel_compile.py)
-             compiles=False),
+             # torch 2.13, compile=True: HF Llama's forward breaks into many graphs, and one of them returns
+             # the vocabulary-sharded logits (a DTensor) next to what the loss needs; AOTAutograd's backward
+             # then fails ("Expected a DTensor tangent but got a plain Tensor"; tests/test_parallel_compile.py)
+             compiles_loss_parallel=False),
 ):
     _LAYOUTS.insert(0, _layout)
 del _layout

@@ -161,8 +161,15 @@ class ParallelTransform(Transform):
             if self.compile and not layout.compiles:
                 raise ConfigError(
                     f"compile=True with tensor parallel (tp={self.degrees.tp}) trains the {layout.family} plan wrong "
-                    "in this torch (the compiled losses leave the eager ones from the third step); use "
-                    "compile=False with tp, or shard with FSDP2 alone (ParallelConfig(dp_shard=...)), which compiles")
+                    "in this torch; use compile=False with tp, or shard with FSDP2 alone "
+                    "(ParallelConfig(dp_shard=...)), which compiles")
+            if self.compile and self.config.loss_parallel and not layout.compiles_loss_parallel:
+                raise ConfigError(
+                    f"compile=True with tensor parallel (tp={self.degrees.tp}) and ParallelConfig(loss_parallel=True) "
+                    f"fails on the {layout.family} plan in this torch: a compiled graph between the model's graph "
+                    "breaks hands out the vocabulary-sharded logits DTensor, and AOTAutograd's backward gets a plain "
+                    "tangent for it. Set ParallelConfig(loss_parallel=False) (logits gathered; compiles and trains "
+                    "like eager), or compile=False")
         if self.degrees.cp > 1:
             from .context import check_cp_model
 
