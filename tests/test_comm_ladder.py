@@ -211,3 +211,95 @@ def test_quick_ladder_on_a_shaped_link(tmp_path):
     assert doc["header"]["link"] == "100mbit" and all(r["link"] == "100mbit" for r in doc["rows"])
     # A physical bound, not a speed claim: were the job not shaped, this would fail.
     assert min(row["step_seconds"]) >= doc["header"]["link_floor_seconds"]
+
+
+def test_sparse_rows_run_their_own_local_job_in_their_own_precision(tmp_path, monkeypatch):
+    from rich.console import Console
+
+    specs = []
+
+    def fake_job(spec, nproc, link, workdir, timeout, tag=""):
+        specs.append(spec)
+        hybrid = spec.row == "ddp+hybrid"
+        return {"status": "ok", "step_seconds": [1.2 if hybrid else 1.0] * spec.steps, "val_loss": 5.0,
+                "job_seconds": 1.0, "items_per_step": 8, "unit": "tokens", "world_size": 2, "wire_bytes": 100,
+                "parameters": 10, "gradient_bytes": 40, "params_checksum": 3.0 + 3e-9 * hybrid}
+
+    monkeypatch.setattr(ladder, "_run_job", fake_job)
+    doc = run_dp_ladder(configs=["ddp", "ddp+sparse", "ddp+hybrid"], steps=2, quick=True, precision="bf16-master",
+                        out_dir=tmp_path, console=Console(file=io.StringIO(), width=200))
+    got = {(s.row, s.mode): (s.precision, s.sparse_embedding, s.strategy) for s in specs}
+    assert got == {("local", "local"): ("bf16-master", False, "ring"), ("ddp", "dp"): ("bf16-master", False, "ring"),
+                   ("local+sparse@fp32", "local"): ("fp32", True, "ring"),
+                   ("ddp+sparse", "dp"): ("fp32", True, "ring"), ("ddp+hybrid", "dp"): ("fp32", True, "hybrid")}
+    hybrid = doc["configs"]["ddp+hybrid"]
+    assert hybrid["local_job"] == "local+sparse@fp32" and hybrid["precision"] == "fp32"
+    assert hybrid["twin"] == "ddp+sparse" and doc["configs"]["ddp"]["precision"] == "bf16-master"
+    m = hybrid["metrics"]
+    assert m["step_time_vs_twin"]["median"] == pytest.approx(1.2)
+    assert m["params_checksum_vs_twin"]["median"] == pytest.approx(1e-9)
+    assert m["val_loss_delta_vs_twin"]["median"] == 0.0
+    assert "step_time_vs_twin" not in doc["configs"]["ddp+sparse"]["metrics"]
+    notes = doc["header"]["notes"]
+    assert any(n.startswith("ddp+hybrid vs ddp+sparse") and "1.20" in n for n in notes)
+    assert any(n.startswith("ddp+sparse and its local job run in fp32, not bf16-master") for n in notes)
+
+
+def test_local_keys_of_the_sparse_rows_invert():
+    assert ladder.local_key(ladder.DP_ROWS["ddp+sparse"]) == "local+sparse@fp32"
+    assert ladder._local_settings("local+sparse@fp32") == {"accumulate": 1, "checkpoint": None,
+                                                          "sparse_embedding": True, "precision": "fp32"}
+    assert "precision" not in ladder._local_settings("local+accumulate4")  # the ladder's precision
+
+
+def test_sparse_embedding_optimizer_steps_the_touched_rows_with_sparse_adam():
+    from turbotrain import Config, Engine
+    from turbotrain.bench.dp_worker import LadderSpec, SteppedTogether, sparse_embedding_optimizer, state_bytes
+    from turbotrain.workloads import get_workload
+
+    wl = get_workload("gpt", d=32, n_layer=1, n_head=2, T=16, B=8)
+    model = wl.build_model()
+    before = model.wte.weight.detach().clone()
+    head = model.lm_head.weight.detach().clone()
+    opt = sparse_embedding_optimizer(model)
+    assert model.wte.sparse and [type(o).__name__ for o in opt.optimizers] == ["SparseAdam", "AdamW"]
+    engine = Engine(model, opt, wl.loss_fn, config=Config(precision="fp32", device="cpu"))
+    batch = next(wl.batches(split="train", seed=0, device="cpu"))
+    engine.step(batch)
+    assert engine.optimizer is opt and isinstance(opt, SteppedTogether)
+    seen = torch.unique(batch[0])  # (tokens, targets)
+    moved = (model.wte.weight.detach() != before).any(dim=1)
+    assert moved[seen].all() and moved.sum() == len(seen)  # SparseAdam: the touched rows, and only those
+    assert not torch.equal(model.lm_head.weight.detach(), head)  # AdamW stepped the rest
+    assert set(opt.state) == {p for g in opt.param_groups for p in g["params"]}  # one shared state
+    without = state_bytes(model, opt)
+    model.wte.weight.grad = torch.sparse_coo_tensor([[0, 3]], torch.ones(2, 32), model.wte.weight.shape,
+                                                     check_invariants=True)
+    assert state_bytes(model, opt) - without == 2 * 8 + 2 * 32 * 4  # a sparse gradient: its indices and rows
+    with pytest.raises(ConfigError, match="sparse_embedding"):
+        LadderSpec(row="x", mode="dp", sparse_embedding=True, parallel={"dp_shard": -1})
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_quick_hybrid_row_sends_the_embedding_through_the_server_and_matches_its_twin(tmp_path):
+    doc = run_dp_ladder(configs=["ddp+sparse", "ddp+hybrid"], steps=2, rounds=1, warmup=2, quick=True,
+                        out_dir=tmp_path)
+    assert json.loads((tmp_path / "dp_results.json").read_text()) == doc
+    sparse, hybrid = doc["configs"]["ddp+sparse"], doc["configs"]["ddp+hybrid"]
+    for row in (sparse, hybrid):
+        assert row["status"] == "ok", row.get("error")
+        assert row["local"]["status"] == "ok", row["local"].get("error")
+        assert row["replicas_in_sync"] is True and row["optimizer"] == "SparseAdam + AdamW"
+        assert row["local_job"] == "local+sparse@fp32" and "fp32" in row["engine"]
+    # The same sums in another order of collectives: the same parameters after 4 steps.
+    assert hybrid["metrics"]["params_checksum_vs_twin"]["median"] == pytest.approx(0.0, abs=1e-7)
+    assert hybrid["val_loss"] == pytest.approx(sparse["val_loss"], rel=1e-6)
+    # The parameter-server path: an all_gather of counts, gather x2 and broadcast x3 onto one server,
+    # against the all-gather path's 3 collectives; the dense buckets' calls are the same in both.
+    calls = [row["metrics"]["collective_calls_per_step"]["median"] for row in (sparse, hybrid)]
+    assert calls[1] - calls[0] == 3
+    s = doc["header"]["workload"]["settings"]
+    embedding_bytes = 4 * s["vocab_size"] * s["d"]
+    for row in (sparse, hybrid):  # the embedding's rows travel sparsely: far less than its dense ring share
+        assert row["metrics"]["wire_bytes_per_step"]["median"] < 2 * row["gradient_bytes"] - embedding_bytes

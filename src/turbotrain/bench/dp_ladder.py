@@ -3,8 +3,9 @@
     turbotrain bench --nproc 2 [--link 1gbit] [--quick] [--configs ddp,fsdp,tp+sp] [--steps 30 --rounds 2]
                      [--max-state-bytes 30M]
     >>> from turbotrain.bench.dp_ladder import DP_ROWS
-    >>> list(DP_ROWS)
-    ['ddp', 'ddp+accumulate4', 'ddp+bf16', 'ddp+powersgd', 'ddp+onebit', 'ddp+ps', 'fsdp', 'fsdp+ckpt', 'tp', 'tp+sp']
+    >>> list(DP_ROWS)  # doctest: +NORMALIZE_WHITESPACE
+    ['ddp', 'ddp+accumulate4', 'ddp+bf16', 'ddp+powersgd', 'ddp+onebit', 'ddp+ps', 'ddp+sparse', 'ddp+hybrid',
+     'fsdp', 'fsdp+ckpt', 'tp', 'tp+sp']
 
 Every row is one torchrun job (gloo, 127.0.0.1, one torch/OMP thread per rank) that trains the
 same workload through ``Engine(Config(data_parallel=...))``, and is paired with a *local* job: the
@@ -55,6 +56,20 @@ Choices, and why:
   **floor** it puts under a step on the ladder's link (1 Gbit/s on plain loopback: the time those
   bytes need at that rate, all ranks sharing the one shaped egress). Without namespaces only DDP's
   hooks can say what they sent (their payload, converted as for a ring) and the sharded rows show —.
+* **Topologies.** ``ddp`` is the ring (DDP's all-reduce), ``ddp+ps`` the parameter server
+  (``DataParallelConfig(strategy='parameter_server')``: each bucket reduced onto rank 0 and
+  broadcast back) and ``ddp+hybrid`` the hybrid (``strategy='hybrid'``: dense gradients by DDP's
+  all-reduce, ``nn.Embedding(sparse=True)`` rows through the parameter server). The hybrid differs
+  from the ring only for sparse embedding gradients, so it trains the gpt with its token embedding
+  ``sparse=True`` and the optimizer a user writes for one (SparseAdam for the embedding, the fused
+  AdamW for the rest, ``dp_worker.SteppedTogether``), beside its twin ``ddp+sparse``: the same model,
+  optimizer and precision with the embedding's touched rows all-gathered (``strategy='ring',
+  sparse_embeddings=True``). Both run in fp32 with a local job of their own (``local+sparse@fp32``):
+  bf16-master's FP32 masters take dense gradients only. ``ddp+hybrid``'s ``*_vs_twin`` metrics
+  isolate the exchange: step time with its interval, val loss, and the relative difference of the
+  sum of all parameters (the same sums, so ~0); the server path shows in ``collective_calls``
+  (6 a step for the rows on one server, against the all-gather's 3). Their Δval and × ddp against
+  ``ddp`` also carry SparseAdam (lazy, no weight decay on the embedding) and fp32.
 * ``quick=True``: the bench's quick gpt (d=128, 2 layers, T=64, B=4), 3 + 8 steps in one round,
   2 val batches: start-up dominates, ~90 s for the whole ladder; a smoke test, not a benchmark.
 * **Sharded rows** (``fsdp``, ``fsdp+ckpt``, ``tp``, ``tp+sp``; by name only, not in the default
@@ -132,7 +147,13 @@ class DpRow:
     checkpoint: str | None = None
     """Config.checkpoint of the row (and of its local job)."""
     strategy: str = "ring"
-    """DataParallelConfig.strategy: DDP's all-reduce, or the parameter-server exchange."""
+    """DataParallelConfig.strategy: DDP's all-reduce, the parameter-server exchange, or the hybrid."""
+    sparse: bool = False
+    """The gpt's token embedding sparse=True, stepped by SparseAdam beside AdamW (LadderSpec.sparse_embedding)."""
+    precision: str | None = None
+    """The row's (and its local job's) precision; None: the ladder's."""
+    twin: str | None = None
+    """The row that differs from this one only in the exchange; compared with it alone as well."""
 
     @property
     def tp(self) -> int:
@@ -147,6 +168,11 @@ DP_ROWS = {
     "ddp+onebit": DpRow("onebit", 1, "1-bit Adam: sign-compressed momentum after warm-up"),
     "ddp+ps": DpRow(None, 1, "parameter server: each bucket reduced onto rank 0 and broadcast back",
                     strategy="parameter_server"),
+    # fp32: bf16-master's FP32 masters take dense gradients only, and SparseAdam steps sparse ones
+    "ddp+sparse": DpRow(None, 1, "sparse token embedding (SparseAdam + AdamW): its touched rows all-gathered, "
+                        "the rest by DDP's all-reduce", sparse=True, precision="fp32"),
+    "ddp+hybrid": DpRow(None, 1, "hybrid: ddp+sparse with the embedding's touched rows through a parameter server "
+                        "(rank 0)", strategy="hybrid", sparse=True, precision="fp32", twin="ddp+sparse"),
     "fsdp": DpRow(None, 1, "FSDP2 (ZeRO-3): parameters, gradients and Adam state sharded over every rank",
                   parallel={"dp_shard": -1}),
     "fsdp+ckpt": DpRow(None, 1, "FSDP2 with activation checkpointing of every block",
@@ -156,9 +182,12 @@ DP_ROWS = {
     "tp+sp": DpRow(None, 1, "tensor + sequence parallel over 2 ranks (norms and residual split along T)",
                    parallel={"dp_shard": -1, "tp": 2, "sequence_parallel": True}),
 }
+#: Why the sparse-embedding rows set their own precision.
+SPARSE_PRECISION_REASON = (": bf16-master's FP32 masters take dense gradients only, and SparseAdam steps sparse "
+                           "ones, so the sparse rows compare with each other, not with ddp")
 #: The row val-loss deltas are relative to: uncompressed, no accumulation.
 BASELINE_ROW = "ddp"
-#: What ``configs=None`` runs: the ways of exchanging DDP's gradients, ring and parameter server
+#: What ``configs=None`` runs: the ways of exchanging DDP's gradients, ring, parameter server and hybrid
 #: (the sharded rows are asked for by name: they answer another question, memory).
 DEFAULT_CONFIGS = tuple(name for name, row in DP_ROWS.items() if row.parallel is None)
 
@@ -305,13 +334,22 @@ def _wire_per_step(dp: dict, steps: int) -> tuple[float | None, str | None]:
     return None, None
 
 
+def _step_ratio(times: list[float], other: list[float], name: str) -> dict:
+    """Median step time over ``other``'s, with its 95% bootstrap interval (paired steps)."""
+    from .stats import bootstrap_ratio_ci
+
+    return {**_metric(f"x {name}", _summary(times)["median"] / _summary(other)["median"]),
+            "ci": list(bootstrap_ratio_ci(times, other))}
+
+
 def row_metrics(dp: dict, local: dict | None, baseline: dict | None, *, tp: int = 1,
-                floor_rate: str = FLOOR_RATE) -> dict[str, dict]:
+                floor_rate: str = FLOOR_RATE, twin: tuple[str, dict] | None = None) -> dict[str, dict]:
     """Every metric of one row from its dp result, its local result and the baseline row's dp result.
 
     ``tp``: the row's tensor-parallel degree; its local step is compared as split over that many ranks.
     ``floor_rate``: the link rate the row's wire floor is stated at. Intervals are 95% bootstrap
-    intervals over the pooled per-step times (``ci``: [low, high]).
+    intervals over the pooled per-step times (``ci``: [low, high]). ``twin``: (name, dp result) of
+    the row that differs from this one only in the exchange (DpRow.twin), compared as ``*_vs_twin``.
     """
     from .stats import bootstrap_ratio_ci, relative_change, throughput
 
@@ -350,12 +388,19 @@ def row_metrics(dp: dict, local: dict | None, baseline: dict | None, *, tp: int 
     if baseline is not None and baseline.get("status") == "ok":
         if None not in (dp["val_loss"], baseline["val_loss"]):
             out["val_loss_delta"] = _metric("%", relative_change(dp["val_loss"], baseline["val_loss"]))
-        base_t = _summary(baseline["step_seconds"])["median"]
-        out["step_time_vs_ddp"] = {**_metric(f"x {BASELINE_ROW}", t["median"] / base_t),
-                                   "ci": list(bootstrap_ratio_ci(times, baseline["step_seconds"]))}
+        out["step_time_vs_ddp"] = _step_ratio(times, baseline["step_seconds"], BASELINE_ROW)
         if dp.get("state_bytes_peak") and baseline.get("state_bytes_peak"):
             ratio = dp["state_bytes_peak"] / baseline["state_bytes_peak"]
             out["state_bytes_vs_ddp"] = _metric(f"x {BASELINE_ROW}", ratio)
+    if twin is not None and twin[1].get("status") == "ok":
+        name, other = twin
+        out["step_time_vs_twin"] = _step_ratio(times, other["step_seconds"], name)
+        if None not in (dp["val_loss"], other["val_loss"]):
+            out["val_loss_delta_vs_twin"] = _metric(f"% vs {name}", relative_change(dp["val_loss"], other["val_loss"]))
+        if None not in (dp.get("params_checksum"), other.get("params_checksum")):
+            out["params_checksum_vs_twin"] = _metric(
+                f"relative difference of the sum of all parameters from {name}'s",
+                (dp["params_checksum"] - other["params_checksum"]) / abs(other["params_checksum"]))
     return out
 
 
@@ -393,19 +438,26 @@ def pool_rounds(runs: list[dict]) -> dict:
 
 
 def local_key(row: DpRow) -> str:
-    """Local jobs are named by the only work they vary in (precision is the same in every row).
+    """Local jobs are named by the only work they vary in: accumulation, checkpointing, the sparse
+    embedding, and a precision of the row's own (after '@').
 
     >>> local_key(DP_ROWS["ddp+accumulate4"]), local_key(DP_ROWS["fsdp+ckpt"]), local_key(DP_ROWS["tp+sp"])
     ('local+accumulate4', 'local+ckpt', 'local')
+    >>> local_key(DP_ROWS["ddp+hybrid"])
+    'local+sparse@fp32'
     """
     key = "local" if row.accumulate == 1 else f"local+accumulate{row.accumulate}"
-    return key + ("+ckpt" if row.checkpoint else "")
+    key += ("+ckpt" if row.checkpoint else "") + ("+sparse" if row.sparse else "")
+    return key + (f"@{row.precision}" if row.precision else "")
 
 
 def _local_settings(key: str) -> dict:
-    """The LadderSpec fields a local job's key stands for (the inverse of local_key)."""
-    match = re.fullmatch(r"local(?:\+accumulate(\d+))?(\+ckpt)?", key)
-    return {"accumulate": int(match.group(1) or 1), "checkpoint": "blocks" if match.group(2) else None}
+    """The LadderSpec fields a local job's key stands for (the inverse of local_key); no precision
+    when the key has none (the ladder's)."""
+    match = re.fullmatch(r"local(?:\+accumulate(\d+))?(\+ckpt)?(\+sparse)?(?:@(.+))?", key)
+    settings = {"accumulate": int(match.group(1) or 1), "checkpoint": "blocks" if match.group(2) else None,
+                "sparse_embedding": bool(match.group(3))}
+    return settings if match.group(4) is None else {**settings, "precision": match.group(4)}
 
 
 def _job_order(names: list[str]) -> list[tuple[str, str]]:
@@ -573,6 +625,11 @@ def run_dp_ladder(workload: str = "gpt", nproc: int = 2, steps: int | None = Non
                                    "report what they send; sharded rows show —")
     if quick:
         doc_header["notes"].append("quick mode: tiny model, few steps; a smoke test, not a benchmark")
+    for name in names:
+        own = DP_ROWS[name].precision
+        if own not in (None, precision):
+            doc_header["notes"].append(f"{name} and its local job run in {own}, not {precision}"
+                                       + (SPARSE_PRECISION_REASON if DP_ROWS[name].sparse else ""))
     if precision_note:
         doc_header["notes"].append(precision_note)
         console.print(f"[yellow]note[/] {escape(precision_note)}")
@@ -590,12 +647,14 @@ def run_dp_ladder(workload: str = "gpt", nproc: int = 2, steps: int | None = Non
                 if runs.get(name) and runs[name][-1]["status"] != "ok":
                     continue  # a row that failed once has failed: do not spend another round on it
                 if kind == "local":
-                    spec = LadderSpec(row=name, mode="local", steps=round_steps, **_local_settings(name), **common)
+                    spec = LadderSpec(row=name, mode="local", steps=round_steps, **{**common, **_local_settings(name)})
                 else:
                     row = DP_ROWS[name]
                     spec = LadderSpec(row=name, mode="dp", steps=round_steps, compression=row.compression,
                                       accumulate=row.accumulate, parallel=row.parallel, checkpoint=row.checkpoint,
-                                      strategy=row.strategy, max_state_bytes=max_state_bytes, **common)
+                                      strategy=row.strategy, sparse_embedding=row.sparse,
+                                      max_state_bytes=max_state_bytes,
+                                      **{**common, "precision": row.precision or precision})
                 with console.status(f"round {r + 1}/{rounds}: {kind} job {name} ..."):
                     result = _run_job(spec, nproc, link, Path(tmp), timeout, tag=f".r{r}")
                 runs.setdefault(name, []).append(result)
@@ -627,7 +686,9 @@ def _build_doc(header: dict, names: list[str], results: dict) -> dict:
         key = local_key(row)
         local = results.get(key)
         detail = {"description": row.description, "local_job": key, "parallel": row.parallel,
-                  "checkpoint": row.checkpoint, "local_divisor": row.tp, **dp, "local": local}
+                  "checkpoint": row.checkpoint, "local_divisor": row.tp, "strategy": row.strategy,
+                  "sparse_embedding": row.sparse, "precision": row.precision or header["precision"], "twin": row.twin,
+                  **dp, "local": local}
         if dp.get("status") == "ok":
             if dp.get("diverged"):
                 header["notes"].append(f"{name}: training diverged (non-finite loss or weights)")
@@ -635,7 +696,10 @@ def _build_doc(header: dict, names: list[str], results: dict) -> dict:
                 header["notes"].append(f"{name}: the ranks' weights differ after training (replicas out of sync)")
             if local is not None and local.get("status") != "ok":
                 header["notes"].append(f"{name}: its local job failed ({local.get('error')}), so no overhead")
-            detail["metrics"] = row_metrics(dp, local, baseline, tp=row.tp, floor_rate=header["floor_rate"])
+            twin = (row.twin, results[row.twin]) if row.twin in results else None
+            detail["metrics"] = row_metrics(dp, local, baseline, tp=row.tp, floor_rate=header["floor_rate"], twin=twin)
+            if twin is not None:
+                header["notes"].append(_twin_note(name, detail["metrics"]))
             rows += [{**common, "config": name, "metric": metric, **value}
                      for metric, value in detail["metrics"].items()]
         configs[name] = detail
@@ -651,6 +715,16 @@ def _build_doc(header: dict, names: list[str], results: dict) -> dict:
     if header.get("max_state_bytes") is not None:
         header["notes"].append(_cap_note(doc))
     return doc
+
+
+def _twin_note(name: str, m: dict) -> str:
+    """One line comparing a row with its twin (DpRow.twin), or saying why it cannot."""
+    if "step_time_vs_twin" not in m:
+        return f"{name}: its twin {DP_ROWS[name].twin} failed, so no comparison"
+    twin = DP_ROWS[name].twin
+    return (f"{name} vs {twin} (same model, optimizer and precision; only the exchange differs): step time "
+            f"{_ci(m, 'step_time_vs_twin', '{:.2f}')}x, val loss {_ci(m, 'val_loss_delta_vs_twin', '{:+.2f}')}%, "
+            f"sum of the parameters {_ci(m, 'params_checksum_vs_twin', '{:+.1e}')} relative")
 
 
 def _cap_note(doc: dict) -> str:

@@ -29,6 +29,12 @@ to another crosses that one interface once, so the difference over the measured 
 job's whole traffic, whatever sent it: DDP's hooks, 1-bit Adam's collectives, FSDP2's all-gathers
 and reduce-scatters, DTensor's, TCP headers included. It needs no cooperation from the code
 measured, which is the point: only DDP's hooks count their own payload (``hook_bytes``).
+
+``sparse_embedding``: the workload's token embedding (``wte``) is built ``sparse=True`` and the
+optimizer is what a user writes for one: torch.optim.SparseAdam (the ladder's lr, betas and eps;
+it has no weight decay) for the embedding, the ladder's fused AdamW for the rest, stepped as one
+(``SteppedTogether``, since the Engine steps one optimizer). dp jobs set
+``DataParallelConfig(sparse_embeddings=True)``, so the embedding's touched rows bypass DDP.
 """
 
 from __future__ import annotations
@@ -50,7 +56,7 @@ from ..errors import ConfigError, TurbotrainError
 from .worker import error_result, write_result
 
 __all__ = ["LadderSpec", "MODES", "run_rank", "main", "state_bytes", "StateMeter", "StateCapExceeded",
-           "rss_peak_bytes", "loopback_tx_bytes"]
+           "rss_peak_bytes", "loopback_tx_bytes", "SteppedTogether", "sparse_embedding_optimizer"]
 
 MODES = ("dp", "local")
 
@@ -91,6 +97,8 @@ class LadderSpec:
     """Cap on any rank's parameter + gradient + optimizer-state bytes; over it the job stops (dp jobs)."""
     count_wire: bool = False
     """Read the loopback's transmit counter around the measured steps (the job has a namespace of its own)."""
+    sparse_embedding: bool = False
+    """Token embedding sparse=True, stepped by SparseAdam beside AdamW; dp jobs exchange its rows sparsely."""
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -101,6 +109,9 @@ class LadderSpec:
         if self.parallel is not None and (self.mode != "dp" or self.compression is not None):
             raise ConfigError("parallel= is a dp-mode setting without compression (FSDP and tensor parallel "
                               "exchange their own way); drop compression or parallel")
+        if self.sparse_embedding and (self.parallel is not None or self.compression == "onebit"):
+            raise ConfigError("sparse_embedding=True trains through DDP with SparseAdam beside AdamW; it does not "
+                              "combine with parallel= or compression='onebit' (an optimizer of its own)")
         if self.max_state_bytes is not None and self.max_state_bytes < 1:
             raise ConfigError(f"max_state_bytes={self.max_state_bytes} must be >= 1 (bytes), or None for no cap")
 
@@ -120,7 +131,8 @@ def state_bytes(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> in
 
     Each tensor is taken as its local shard (a DTensor's ``to_local()``) and counted by its storage,
     once however many tensors view it: FSDP's padded shards, tied weights, and a precision mode's
-    low-precision parameters beside their FP32 masters are all what they really occupy.
+    low-precision parameters beside their FP32 masters are all what they really occupy. A sparse
+    gradient counts its indices and values.
 
     >>> net = torch.nn.Linear(4, 4)   # 20 FP32 parameters
     >>> state_bytes(net, torch.optim.SGD(net.parameters(), lr=0.1))
@@ -130,9 +142,10 @@ def state_bytes(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> in
     tensors = [*params, *(p.grad for p in params if p.grad is not None),
                *(v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor))]
     storages = {}
-    for t in tensors:
-        storage = local_shard(t).untyped_storage()
-        storages[(t.device.type, storage.data_ptr())] = storage.nbytes()
+    for t in map(local_shard, tensors):
+        for part in (t._indices(), t._values()) if t.is_sparse else (t,):  # a sparse gradient: its two tensors
+            storage = part.untyped_storage()
+            storages[(part.device.type, storage.data_ptr())] = storage.nbytes()
     return sum(storages.values())
 
 
@@ -204,6 +217,55 @@ def _wire_mark(spec: LadderSpec) -> int | None:
     return loopback_tx_bytes()
 
 
+class SteppedTogether(torch.optim.Optimizer):
+    """Optimizers over disjoint parameters stepped as one, for the Engine, which steps one optimizer.
+
+    Their parameter-group dicts and their state are this object's (shared, not copied), so the
+    Engine re-pointing a group at FP32 masters re-points it for the optimizer that steps it.
+
+    >>> a, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
+    >>> opt = SteppedTogether(torch.optim.SGD([a], lr=1.0), torch.optim.SGD([b], lr=0.5))
+    >>> a.grad, b.grad = torch.ones(2), torch.ones(2)
+    >>> opt.step(); a.tolist(), b.tolist()
+    ([0.0, 0.0], [0.5, 0.5])
+    """
+
+    def __init__(self, *optimizers: torch.optim.Optimizer):
+        super().__init__([group for opt in optimizers for group in opt.param_groups], defaults={})
+        self.optimizers = optimizers
+        for opt in optimizers:
+            opt.state = self.state
+
+    def step(self, closure=None):
+        if closure is not None:
+            raise ConfigError("SteppedTogether.step takes no closure (it steps several optimizers once each)")
+        for opt in self.optimizers:
+            opt.step()
+
+    def load_state_dict(self, state_dict) -> None:
+        super().load_state_dict(state_dict)  # replaces self.state: share the new one again
+        for opt in self.optimizers:
+            opt.state = self.state
+
+    def describe(self) -> str:
+        return " + ".join(type(opt).__name__ for opt in self.optimizers)
+
+
+def sparse_embedding_optimizer(model: torch.nn.Module) -> SteppedTogether:
+    """Make ``model.wte`` sparse; SparseAdam for it, the ladder's AdamW for every other parameter."""
+    from .configs import OPTIMIZER_SETTINGS, make_optimizer
+
+    embedding = getattr(model, "wte", None)
+    if not isinstance(embedding, torch.nn.Embedding):
+        raise ConfigError(f"sparse_embedding=True needs a model whose token embedding is an nn.Embedding named "
+                          f"'wte' (gpt, bert); {type(model).__name__} has none: use the gpt workload")
+    embedding.sparse = True
+    dense = [p for p in model.parameters() if p is not embedding.weight]
+    sparse = torch.optim.SparseAdam([embedding.weight], lr=OPTIMIZER_SETTINGS["lr"],
+                                    betas=OPTIMIZER_SETTINGS["betas"], eps=OPTIMIZER_SETTINGS["eps"])
+    return SteppedTogether(sparse, make_optimizer(dense))
+
+
 def _batches(workload, split: str, count: int, seed: int) -> list:
     stream = workload.batches(split=split, seed=seed, device="cpu")
     return [next(stream) for _ in range(count)]
@@ -218,10 +280,10 @@ def _build_engine(spec: LadderSpec, workload):
     dp = None
     if spec.mode == "dp" and spec.parallel is None:
         dp = DataParallelConfig(compression=spec.compression, strategy=spec.strategy, warmup_steps=spec.comm_warmup,
-                                powersgd_rank=spec.powersgd_rank)
+                                powersgd_rank=spec.powersgd_rank, sparse_embeddings=spec.sparse_embedding)
     config = Config(precision=spec.precision, accumulate=spec.accumulate, data_parallel=dp,
                     parallel=spec.parallel_config(), checkpoint=spec.checkpoint, device="cpu")
-    optimizer = make_optimizer(model.parameters())
+    optimizer = sparse_embedding_optimizer(model) if spec.sparse_embedding else make_optimizer(model.parameters())
     if spec.mode == "dp" and spec.compression == "onebit":
         from ..comm.ddp import to_onebit_adam
 
@@ -341,7 +403,9 @@ def run_rank(spec: LadderSpec) -> dict | None:
         "wire_bytes": wire,
         # In dp mode the replicas must agree exactly; in local mode they are expected to differ.
         "replicas_in_sync": (max(checksums) == min(checksums)) if finite else None,
-        "optimizer": type(engine.optimizer).__name__,
+        "params_checksum": checksums[0] if finite else None,
+        "optimizer": engine.optimizer.describe() if isinstance(engine.optimizer, SteppedTogether)
+        else type(engine.optimizer).__name__,
         "state_bytes_peak_per_rank": state_peaks,
         "state_bytes_peak": max(state_peaks),
         "rss_peak_bytes_per_rank": rss_peaks,
