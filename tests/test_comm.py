@@ -296,15 +296,15 @@ def test_onebit_compiled_kernels_match_the_eager_steps():
 
 
 def test_onebit_kernels_run_eagerly_after_one_warning_where_compile_fails(monkeypatch):
-    from turbotrain.comm import onebit
+    from turbotrain.comm import onebit_kernels
 
     def no_compiler(fn, **kwargs):
         def run(*args):
             raise RuntimeError("no C++ compiler")
         return run
 
-    monkeypatch.setattr(onebit, "_COMPILED", {})
-    monkeypatch.setattr(onebit, "_COMPILE_FAILED", [])
+    monkeypatch.setattr(onebit_kernels, "_COMPILED", {})
+    monkeypatch.setattr(onebit_kernels, "_COMPILE_FAILED", [])
     monkeypatch.setattr(torch, "compile", no_compiler)
     sizes = [300, 1000, 77]
     eager, fused = OneBitCompressor(compile_kernels=False), OneBitCompressor(compile_kernels=True)
@@ -315,11 +315,11 @@ def test_onebit_kernels_run_eagerly_after_one_warning_where_compile_fails(monkey
 
 
 def test_onebit_exchange_lays_out_once(monkeypatch):
-    from turbotrain.comm import onebit
+    from turbotrain.comm import onebit_exchange
 
     built = []
-    original = onebit._build_layout
-    monkeypatch.setattr(onebit, "_build_layout", lambda *a: built.append(1) or original(*a))
+    original = onebit_exchange._build_layout
+    monkeypatch.setattr(onebit_exchange, "_build_layout", lambda *a: built.append(1) or original(*a))
     comp = OneBitCompressor()
     padded = comp.configure([5000, 300], None, "cpu")
     buf = torch.randn(padded)

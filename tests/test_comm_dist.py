@@ -128,13 +128,13 @@ class CollectiveRecorder:
     """Counts the payload bytes of the tensors handed to the gradient exchange's collectives."""
 
     def __init__(self):
-        from turbotrain.comm import onebit
+        from turbotrain.comm import onebit_exchange
 
         self.bytes, self.dtypes, self._saved = 0, [], []
         self._patch(dist, "all_reduce", lambda t, *a, **k: t)
         self._patch(dist, "all_to_all_single", lambda out, t, *a, **k: t)
         self._patch(dist, "reduce", lambda t, *a, **k: t)
-        self._patch(onebit, "all_gather_flat", lambda out, t, *a, **k: t)
+        self._patch(onebit_exchange, "all_gather_flat", lambda out, t, *a, **k: t)
 
     def _patch(self, module, name, payload):
         original = getattr(module, name)
