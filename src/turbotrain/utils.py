@@ -26,7 +26,7 @@ import torch
 
 from .errors import ConfigError, HardwareError
 
-__all__ = ["atomic_write", "check_output_dir", "check_output_file", "sync_device", "sqnr_db", "require"]
+__all__ = ["atomic_write", "check_output_dir", "check_output_file", "sync_device", "sqnr_db", "require", "local_shard"]
 
 _Data = Union[str, bytes, Callable]
 
@@ -143,3 +143,9 @@ def check_output_file(path: str | os.PathLike, name: str = "--out") -> Path:
         raise ConfigError(f"{name} {str(path)!r} is a directory; give a file name, e.g. {path / 'out.json'}")
     check_output_dir(path.absolute().parent, name)
     return path
+
+
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's shard on this rank (read without a collective; an in-place op on it changes the
+    DTensor), else ``t`` itself."""
+    return t.to_local() if hasattr(t, "to_local") else t

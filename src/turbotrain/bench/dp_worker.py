@@ -51,8 +51,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..diagnose.stats import local_shard
 from ..errors import ConfigError, TurbotrainError
+from ..utils import local_shard
 from .worker import error_result, write_result
 
 __all__ = ["LadderSpec", "MODES", "run_rank", "main", "state_bytes", "StateMeter", "StateCapExceeded",

@@ -22,8 +22,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..utils import local_shard
 from .causes import Diagnosis, FirstNonfiniteOp, diagnose_op, module_finite_in_fp32
-from .stats import TensorStats, all_finite, floating_tensors, local_shard, map_floating, split_batch
+from .stats import TensorStats, all_finite, floating_tensors, map_floating, split_batch
 
 __all__ = ["NonFiniteReport", "find_nonfinite", "nonfinite_flag"]
 

@@ -13,7 +13,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from ..errors import ConfigError, check_choice
 from ..precision.config import PRECISIONS
 
-__all__ = ["TensorStats", "floating_tensors", "all_finite", "local_shard", "split_batch", "PrecisionRun",
+__all__ = ["TensorStats", "floating_tensors", "all_finite", "split_batch", "PrecisionRun",
            "precision_run"]
 
 #: Largest finite float16 value; anything past it rounds to inf.
@@ -28,11 +28,6 @@ def floating_tensors(tree) -> list[torch.Tensor]:
 def all_finite(tree) -> bool:
     """True when no floating tensor in ``tree`` holds inf or NaN (one host sync per tensor)."""
     return all(bool(torch.isfinite(t).all()) for t in floating_tensors(tree) if t.numel())
-
-
-def local_shard(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's shard on this rank (read without a collective), else ``t`` itself."""
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def map_floating(tree, fn):

@@ -22,7 +22,8 @@ import torch
 from torch import nn
 
 from ..batch import Batch
-from ..diagnose.stats import all_finite, local_shard
+from ..diagnose.stats import all_finite
+from ..utils import local_shard
 from ..errors import TurbotrainError
 
 __all__ = ["RankFindings", "local_findings", "nonfinite_error"]

@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 
 from ..errors import ConfigError, HardwareError
 from ..plan import ApplyContext, ModelPlan, StepContext, Transform
+from ..utils import local_shard
 from .config import LossScaleConfig
 from .keep_fp32 import KEEP_FP32_MODULES, KeepFp32Mode
 from .scaler import DynamicLossScaler
@@ -206,7 +207,7 @@ class Precision(Transform):
                 torch._foreach_copy_(masters, low)
         ctx.grads = [p.grad for p in ctx.params if p.grad is not None]
         if self.scaler:
-            ctx.found_inf = self.scaler.unscale_and_check_([_local(g) for g in ctx.grads])
+            ctx.found_inf = self.scaler.unscale_and_check_([local_shard(g) for g in ctx.grads])
 
     def after_optimizer_step(self) -> None:
         """Copy the updated FP32 masters back into the low-precision model (one fused copy)."""
@@ -351,6 +352,3 @@ def _cuda_bf16_native(device: torch.device) -> bool:
     return hardware.cuda_bf16_native(device)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (unscaling it in place unscales the DTensor), else the tensor."""
-    return t.to_local() if hasattr(t, "to_local") else t
