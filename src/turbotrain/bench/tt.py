@@ -87,6 +87,11 @@ LEVER_CONFIGS = {
     "tt-fused-compile-stock-attn": ({"precision": "bf16-master", "fuse": ("linear_cross_entropy",), "compile": True,
                                      "attention": "stock"},
                                     "tt-fused-compile with the stock scaled_dot_product_attention kernel"),
+    # tt-fused-compile-fp32 with compiled plain attention (Config(attention='auto') keeps the stock
+    # kernel in fp32): whether the lever pays where bf16 is emulated and the ladder runs fp32 twins
+    "tt-fused-compile-fp32-plain-attn": ({"precision": "fp32", "fuse": ("linear_cross_entropy",), "compile": True,
+                                          "attention": "plain"},
+                                         "tt-fused-compile-fp32 with compiled plain attention"),
     # no hand-fused op: Inductor compiles the head and the cross-entropy itself
     "tt-compile": ({"precision": "bf16-master", "compile": True},
                    "bf16-master + torch.compile (forward and loss one graph), no hand-fused ops"),
