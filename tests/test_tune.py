@@ -105,16 +105,6 @@ def test_the_space_is_every_combination_with_the_baseline_first():
     assert not any(c.data_parallel for c in space)
 
 
-def test_data_parallel_axes_appear_only_with_several_ranks_and_are_pruned_with_a_reason():
-    single = enumerate_space(batch_rows=8)
-    multi = enumerate_space(batch_rows=8, world_size=2)
-    assert len(multi) == len(single) * 5 * 2  # compressions x bucket sizes
-    left = prune(multi, _facts(), _cpu("avx512_bf16"), peaks=PEAKS)
-    assert all(not c.data_parallel or c.is_baseline for c in left)
-    dp = next(c for c in multi if c.pruned_axis == "data_parallel")
-    assert "bench --nproc" in dp.reason
-
-
 def test_bf16_is_pruned_on_an_avx2_only_cpu_with_its_reason():
     space = enumerate_space(batch_rows=8)
     prune(space, _facts(), _cpu("avx2", "avx512f"), peaks=PEAKS)

@@ -121,7 +121,7 @@ __all__ = [
     "DP_ROWS", "DpRow", "BASELINE_ROW", "DEFAULT_STEPS", "DEFAULT_WARMUP", "QUICK_STEPS", "QUICK_WARMUP",
     "run_dp_ladder", "comm_overhead", "parse_rate", "link_floor_seconds", "check_link",
     "row_metrics", "shape_link_script", "DEFAULT_PRECISION", "local_key", "DEFAULT_CONFIGS", "DEFAULT_ROUNDS",
-    "QUICK_ROUNDS", "namespace_problem", "pool_rounds", "FLOOR_RATE",
+    "QUICK_ROUNDS", "namespace_problem", "pool_rounds", "FLOOR_RATE", "run_job",
 ]
 
 SCHEMA = "turbotrain-dp-bench/2"
@@ -311,6 +311,15 @@ def _run_job(spec: LadderSpec, nproc: int, link: str | None, workdir: Path, time
     lines = [ln for ln in log_path.read_text(errors="replace").splitlines() if ln.strip()]
     error = next((ln for ln in reversed(lines) if "Error" in ln), lines[-1] if lines else "no output")
     return {"status": "error", "error": f"job died ({reason}): {error.strip()}", "job_seconds": wall}
+
+
+def run_job(spec: LadderSpec, nproc: int, workdir: Path, timeout: float, *, link: str | None = None,
+            tag: str = "") -> dict:
+    """One torchrun job of ``nproc`` ranks training ``spec``, as the ladder runs its rows (in a network
+    namespace of its own when ``spec.count_wire``, its loopback shaped to ``link`` when given); the
+    rank-0 result dict, or ``{"status": "error", "error": ...}`` whatever went wrong. ``turbotrain
+    tune --nproc`` measures its data-parallel candidates with it."""
+    return _run_job(spec, nproc, link, Path(workdir), timeout, tag=tag)
 
 
 # --------------------------------------------------------------------------------------- results

@@ -30,6 +30,12 @@ job's whole traffic, whatever sent it: DDP's hooks, 1-bit Adam's collectives, FS
 and reduce-scatters, DTensor's, TCP headers included. It needs no cooperation from the code
 measured, which is the point: only DDP's hooks count their own payload (``hook_bytes``).
 
+``fuse``, ``compile``, ``bucket_mb``, ``split_batch`` (``turbotrain tune --nproc``): the compute recipe
+the single-process search picked, trained under data parallelism as it will be used: its fused
+patterns, forward+loss compile, the DDP bucket size, and ``accumulate`` as tune means it (each
+batch cut into that many micro-batches, one optimizer step) rather than the ladder's (that many
+whole batches per step). Their defaults leave the ladder's jobs as they were.
+
 ``sparse_embedding``: the workload's token embedding (``wte``) is built ``sparse=True`` and the
 optimizer is what a user writes for one: torch.optim.SparseAdam (the ladder's lr, betas and eps;
 it has no weight decay) for the embedding, the ladder's fused AdamW for the rest, stepped as one
@@ -56,7 +62,7 @@ from ..utils import local_shard
 from .worker import error_result, write_result
 
 __all__ = ["LadderSpec", "MODES", "run_rank", "main", "state_bytes", "StateMeter", "StateCapExceeded",
-           "rss_peak_bytes", "loopback_tx_bytes", "SteppedTogether", "sparse_embedding_optimizer"]
+           "rss_peak_bytes", "loopback_tx_bytes", "SteppedTogether", "sparse_embedding_optimizer", "split_batch"]
 
 MODES = ("dp", "local")
 
@@ -99,6 +105,15 @@ class LadderSpec:
     """Read the loopback's transmit counter around the measured steps (the job has a namespace of its own)."""
     sparse_embedding: bool = False
     """Token embedding sparse=True, stepped by SparseAdam beside AdamW; dp jobs exchange its rows sparsely."""
+    fuse: tuple[str, ...] = ()
+    """Config.fuse: the fusion patterns applied (dp and local jobs alike)."""
+    compile: bool = False
+    """Config.compile: forward and loss compiled as one graph."""
+    bucket_mb: float = 25.0
+    """DataParallelConfig.bucket_mb of a dp job (DDP's default 25 MiB)."""
+    split_batch: bool = False
+    """Cut each batch into ``accumulate`` micro-batches (tune's accumulate) instead of stepping
+    ``accumulate`` whole batches (the ladder's)."""
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -266,6 +281,23 @@ def sparse_embedding_optimizer(model: torch.nn.Module) -> SteppedTogether:
     return SteppedTogether(sparse, make_optimizer(dense))
 
 
+def split_batch(batch, parts: int) -> list:
+    """``batch`` ((inputs, targets), a dict or a tensor) cut into ``parts`` equal micro-batches along rows.
+
+    >>> [t.shape[0] for t in split_batch((torch.zeros(4, 3), torch.zeros(4)), 2)[1]]
+    [2, 2]
+    """
+    if parts == 1:
+        return [batch]
+    leaves, spec = torch.utils._pytree.tree_flatten(batch)
+    rows = {t.shape[0] for t in leaves if isinstance(t, torch.Tensor) and t.dim()}
+    if len(rows) != 1 or next(iter(rows)) % parts:
+        raise ConfigError(f"a batch with rows {sorted(rows)} does not split into {parts} equal micro-batches; "
+                          f"use an accumulate that divides the batch size")
+    pieces = [t.chunk(parts) if isinstance(t, torch.Tensor) and t.dim() else [t] * parts for t in leaves]
+    return [torch.utils._pytree.tree_unflatten([p[i] for p in pieces], spec) for i in range(parts)]
+
+
 def _batches(workload, split: str, count: int, seed: int) -> list:
     stream = workload.batches(split=split, seed=seed, device="cpu")
     return [next(stream) for _ in range(count)]
@@ -280,9 +312,11 @@ def _build_engine(spec: LadderSpec, workload):
     dp = None
     if spec.mode == "dp" and spec.parallel is None:
         dp = DataParallelConfig(compression=spec.compression, strategy=spec.strategy, warmup_steps=spec.comm_warmup,
-                                powersgd_rank=spec.powersgd_rank, sparse_embeddings=spec.sparse_embedding)
+                                powersgd_rank=spec.powersgd_rank, sparse_embeddings=spec.sparse_embedding,
+                                bucket_mb=spec.bucket_mb)
     config = Config(precision=spec.precision, accumulate=spec.accumulate, data_parallel=dp,
-                    parallel=spec.parallel_config(), checkpoint=spec.checkpoint, device="cpu")
+                    parallel=spec.parallel_config(), checkpoint=spec.checkpoint, device="cpu",
+                    fuse=tuple(spec.fuse), compile=spec.compile)
     optimizer = sparse_embedding_optimizer(model) if spec.sparse_embedding else make_optimizer(model.parameters())
     if spec.mode == "dp" and spec.compression == "onebit":
         from ..comm.ddp import to_onebit_adam
@@ -339,7 +373,8 @@ def run_rank(spec: LadderSpec) -> dict | None:
     dp_rank, dp_size = _data_parallel_rank(spec, rank, world)
     # Each data-parallel group reads its own stream (seed offset by its index), as a DistributedSampler
     # would split it; a tensor-parallel group's ranks read the same rows.
-    train = _batches(workload, "train", total_steps * spec.accumulate, spec.seed * 1000 + dp_rank)
+    per_step = 1 if spec.split_batch else spec.accumulate  # whole batches an optimizer step trains on
+    train = _batches(workload, "train", total_steps * per_step, spec.seed * 1000 + dp_rank)
     engine = _build_engine(spec, workload)
     meter = StateMeter(engine, cap=spec.max_state_bytes if spec.mode == "dp" else None)
 
@@ -352,7 +387,9 @@ def run_rank(spec: LadderSpec) -> dict | None:
             start_counts = _counters(engine)
             wire_start = _wire_mark(spec)
         t0 = time.perf_counter()
-        step_losses = [engine.step(train[step * spec.accumulate + m]).loss for m in range(spec.accumulate)]
+        micro = (split_batch(train[step], spec.accumulate) if spec.split_batch
+                 else [train[step * spec.accumulate + m] for m in range(spec.accumulate)])
+        step_losses = [engine.step(batch).loss for batch in micro]
         times.append(time.perf_counter() - t0)
         losses.append(float(torch.stack(step_losses).float().mean()))
     end_counts = _counters(engine)
@@ -391,7 +428,7 @@ def run_rank(spec: LadderSpec) -> dict | None:
         "backend": info.backend,
         "threads": torch.get_num_threads(),
         "micro_batches_per_step": spec.accumulate,
-        "items_per_step": dp_size * spec.accumulate * workload.items_per_batch,
+        "items_per_step": dp_size * per_step * workload.items_per_batch,
         "data_parallel_size": dp_size,
         "unit": workload.unit,
         "parameters": sum(p.numel() for p in engine.module.parameters()),

@@ -1,4 +1,7 @@
-"""``turbotrain tune``: search the Config space for a workload within a time and a memory budget."""
+"""``turbotrain tune``: search the Config space for a workload within a time and a memory budget.
+
+    turbotrain tune --workload gpt --budget 5m [--max-memory 8G] [--nproc 2 [--link 1gbit]]
+"""
 
 from __future__ import annotations
 
@@ -13,9 +16,16 @@ def _tune(args) -> int:
     from ..bench.runner import QUICK_OVERRIDES
     from ..bench.worker import load_workload
     from ..tune.search import TuneSettings, parse_duration, parse_memory, run_tune
+    from ..errors import ConfigError
     from ..utils import check_output_dir
     from .bench import parse_overrides
 
+    if args.nproc is not None and args.nproc < 2:
+        raise ConfigError(f"--nproc {args.nproc}: the data-parallel stage needs at least 2 ranks; leave --nproc out "
+                          "to tune one process")
+    if args.link is not None and args.nproc is None:
+        raise ConfigError(f"--link {args.link} shapes the link of a data-parallel run; give --nproc N (N >= 2) "
+                          "with it, or drop --link")
     budget = parse_duration(args.budget)
     max_memory = parse_memory(args.max_memory)
     check_output_dir(args.out)
@@ -25,7 +35,8 @@ def _tune(args) -> int:
     workload = load_workload(args.workload, overrides)  # a bad name or setting costs a line, not a search
     settings = TuneSettings(budget_s=budget, max_memory=max_memory, steps=args.steps, rounds=args.rounds,
                             warmup=args.warmup, seed=args.seed, val_batches=2 if args.quick else 4,
-                            device=args.device, max_candidates=args.max_candidates)
+                            device=args.device, max_candidates=args.max_candidates, world_size=args.nproc or 1,
+                            link=args.link)
     result = run_tune(workload, settings, args.out, workload_spec={"workload": args.workload, "overrides": overrides},
                       say=print, started=started)
     doc = result.document
@@ -37,8 +48,12 @@ def _tune(args) -> int:
           f"of {budget:.0f} s")
     print(json.dumps(result.config.to_dict(), indent=2))
     print("wrote " + ", ".join(str(p) for p in result.paths))
+    quick = " --quick" if args.quick else ""
     print(f"compare it with the ladder: turbotrain bench --workload {args.workload} --config-file "
-          f"{result.paths[0]}" + (" --quick" if args.quick else ""))
+          f"{result.paths[0]}{quick}" + (" (its compute recipe, one process)" if args.nproc else ""))
+    if args.nproc:
+        print(f"and the data-parallel rows: turbotrain bench --nproc {args.nproc}{quick}"
+              + (f" --link {args.link}" if args.link else ""))
     return 0
 
 
@@ -59,6 +74,12 @@ def add_parsers(subparsers, parents=()) -> None:
     p.add_argument("--warmup", type=int, default=2, help="untimed warm-up steps per candidate (default 2)")
     p.add_argument("--max-candidates", type=int, default=None,
                    help="measure at most this many candidates besides the baseline")
+    p.add_argument("--nproc", type=int, default=None, metavar="N",
+                   help="then search gradient compression x DDP bucket size for the chosen recipe as torchrun "
+                        "jobs of N ranks on this machine (within the same --budget)")
+    p.add_argument("--link", default=None, metavar="RATE",
+                   help="with --nproc: shape the jobs' loopback to a tc rate, e.g. 1gbit (needs root and network "
+                        "namespaces); default plain loopback")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="workload override, repeatable (e.g. --set T=512)")

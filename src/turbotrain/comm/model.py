@@ -42,7 +42,7 @@ from dataclasses import dataclass, replace
 from ..errors import ConfigError
 
 __all__ = ["Link", "LINKS", "Topology", "Fit", "fit_alpha_beta", "load_bench_rows", "link_from_fit",
-           "collective_time", "predict", "format_table", "format_scaling", "nccl_settings", "run_comm_plan",
+           "collective_time", "exposed_seconds", "predict", "format_table", "format_scaling", "nccl_settings", "run_comm_plan",
            "DEFAULT_RANKS"]
 
 #: The rank counts the scaling table covers.
@@ -298,7 +298,7 @@ def transformer_width(params: float) -> float:
     return (128 * params / 12) ** (1 / 3)
 
 
-def _exposed(comm_s: float, compute_s: float, bucket_s: float) -> float:
+def exposed_seconds(comm_s: float, compute_s: float, bucket_s: float) -> float:
     """What of an overlapped exchange backward does not hide: at least the last bucket."""
     return max(comm_s - BACKWARD_SHARE * compute_s, min(bucket_s, comm_s))
 
@@ -324,7 +324,7 @@ def _rows_for(params: float, topo: Topology, compute_s: float, powersgd_rank: in
             comm = collective_time(algorithm, size, topo, servers)
             bucket_s = collective_time(algorithm, bucket, topo, servers)
             note = f"{servers} servers" if algorithm == "parameter_server" else ""
-            rows.append(_row(n, topo, algorithm, compressor, size, comm, _exposed(comm, compute_s, bucket_s),
+            rows.append(_row(n, topo, algorithm, compressor, size, comm, exposed_seconds(comm, compute_s, bucket_s),
                              extra, compute_s, note))
     d = transformer_width(params)
     ratio = min(1.0, 1.5 * powersgd_rank / d)
@@ -335,7 +335,7 @@ def _rows_for(params: float, topo: Topology, compute_s: float, powersgd_rank: in
         comm = 2 * collective_time(algorithm, factors / 2, topo)
         bucket_s = 2 * collective_time(algorithm, factors / 2 * min(1.0, BUCKET_BYTES / full), topo)
         rows.append(_row(n, topo, algorithm, f"powersgd r={powersgd_rank}", factors, comm,
-                         _exposed(comm, compute_s, bucket_s), psgd_extra, compute_s, f"d~{d:.0f}"))
+                         exposed_seconds(comm, compute_s, bucket_s), psgd_extra, compute_s, f"d~{d:.0f}"))
     signs = params / 8
     comm = all_to_all(signs, topo) + all_gather(signs, topo)
     onebit_extra = 10 * 4 * params / hbm  # compensate, norms, pack, unpack x3, residuals, decode

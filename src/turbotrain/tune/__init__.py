@@ -1,12 +1,15 @@
 """``turbotrain tune``: the fastest Config for this model on this machine that keeps the loss.
 
 * ``space``: the search space, enumerated (precision x fusion x compile x checkpointing x
-  micro-batch/accumulation x, when data parallel, compression and bucket size).
+  micro-batch/accumulation; compression x bucket size for the chosen recipe when data parallel).
 * ``facts``, ``prune``: what is known without running a candidate (one FP32 analysis pass, the
   hardware flags, measured matmul peaks and bandwidth), the memory estimate, the ordering model.
 * ``search``: the survivors measured with the interleaved ladder (bench/interleave.py) within a
   time budget, each checked against the FP32 shadow run; ``report``: tuned.json, tune.json,
   tune.md, tune.html. ``row``: the bench rows built from a Config (``tt-config``, ``tt-tuned``).
+* ``dp_prune``, ``dp_search``: the data-parallel stage of ``turbotrain tune --nproc N``: the
+  winner's compression x bucket size priced by comm/model.py's alpha-beta model, the survivors
+  measured as torchrun jobs (bench/dp_ladder.py's job runner).
 
 Like bench/, this is harness: it imports the library, and the library imports it only when
 ``turbotrain.tune(...)`` is called. The package itself is callable, so ``turbotrain.tune(...)``
@@ -35,6 +38,9 @@ def tune(model_fn, optimizer_fn, batches, *, loss_fn=None, val_batches=None, max
     a duration such as '5m'. ``out``: where the four reports go (default: a temporary folder).
     The callables must be importable (module-level functions): each candidate trains in its own
     process. Returns a TuneResult whose ``config`` is the winning turbotrain.Config.
+
+    This tunes one process: the data-parallel stage (compression x bucket size as torchrun jobs) is
+    ``turbotrain tune --workload NAME --nproc N``, which needs a workload the jobs can load by name.
     """
     from .search import TuneSettings, parse_duration, parse_memory, run_tune
     from .user import save_payload, user_workload

@@ -8,8 +8,10 @@ Rules, in order (the first that applies names the candidate's reason and axis):
 2. the model: a fusion pattern with no site in it (found by probing one batch), "every pattern"
    when it fuses no more than a single pattern does, checkpointing without a block list.
 3. the batch: an accumulation count that does not divide the batch's rows.
-4. data parallel: candidates of the data-parallel axes (tune measures one process; see below).
-5. memory: the estimate below above ``max_memory``.
+4. memory: the estimate below above ``max_memory``.
+
+The data-parallel axes (compression x bucket size) are pruned by their own rules, priced by the
+alpha-beta exchange model, in dp_prune.py.
 
 The memory estimate and the ordering model are stated in MEMORY_MODEL and ORDERING_MODEL, which
 every report prints.
@@ -164,9 +166,6 @@ def prune(candidates: list[Candidate], facts: ModelFacts, info: HardwareInfo, *,
             _prune(c, "precision", low[dtype])
         elif found := _structure_reason(c, facts):
             _prune(c, *found)
-        elif c.data_parallel:
-            _prune(c, "data_parallel", "tune measures candidates in one process each; data-parallel compression "
-                                       "and bucket size are compared by `turbotrain bench --nproc N`")
         elif max_memory is not None and c.estimates["total_bytes"] > max_memory:
             _prune(c, "memory", f"estimated {c.estimates['total_bytes'] / 2**20:.0f} MiB "
                                 f"(state {c.estimates['state_bytes'] / 2**20:.0f}, activations "

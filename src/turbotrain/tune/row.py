@@ -15,6 +15,7 @@ steps the optimizer once, so a step still trains on the same rows as every other
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -23,27 +24,17 @@ import torch
 from ..config import Config
 from ..errors import ConfigError
 from ..bench.configs import TUNED_ROW, make_optimizer, register_config
+from ..bench.dp_worker import split_batch  # one cut for the tune rows and the data-parallel stage's jobs
 from ..bench.tt import EngineTrainer
 
 __all__ = ["ConfigTrainer", "split_batch", "register_tuned_row", "forget_tuned_row", "load_config_file", "TUNED_ENV", "TUNED_ROW",
            "CONFIG_ROW"]
 
+logger = logging.getLogger(__name__)
+
 TUNED_ENV = "TURBOTRAIN_TUNED_CONFIG"
 CONFIG_ROW = "tt-config"
 _DTYPE_NAMES = {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-
-
-def split_batch(batch, parts: int) -> list:
-    """``batch`` ((inputs, targets), a dict or a tensor) cut into ``parts`` equal micro-batches along rows."""
-    if parts == 1:
-        return [batch]
-    leaves, spec = torch.utils._pytree.tree_flatten(batch)
-    rows = {t.shape[0] for t in leaves if isinstance(t, torch.Tensor) and t.dim()}
-    if len(rows) != 1 or next(iter(rows)) % parts:
-        raise ConfigError(f"a batch with rows {sorted(rows)} does not split into {parts} equal micro-batches; "
-                          f"use an accumulate that divides the batch size")
-    pieces = [t.chunk(parts) if isinstance(t, torch.Tensor) and t.dim() else [t] * parts for t in leaves]
-    return [torch.utils._pytree.tree_unflatten([p[i] for p in pieces], spec) for i in range(parts)]
 
 
 class ConfigTrainer(EngineTrainer):
@@ -94,7 +85,11 @@ def _build_tuned_row(workload, device, engine_config=None):
     if not path:
         raise ConfigError(f"the {TUNED_ROW} row runs the Config of a file: give it with "
                           "`turbotrain bench --config-file tuned.json`")
-    return ConfigTrainer(workload, device, load_config_file(path).to_dict())
+    config = load_config_file(path).to_dict()
+    if config.pop("data_parallel", None) is not None:  # a bench row is one process: it times the compute recipe
+        logger.info("%s: %s's data_parallel section is left out of this one-process row; `turbotrain bench --nproc "
+                    "N` measures the exchange", TUNED_ROW, Path(path).name)
+    return ConfigTrainer(workload, device, config)
 
 
 def _dtype_of(config: Config) -> str:

@@ -19,6 +19,10 @@ Extra rounds: what is left of the rounds' share after the planned rounds goes to
 the fastest cannot yet be told from (their 95% interval against it holds 1.0), round after
 round, dropping each once its interval clears; five rounds of one step cannot separate steps a
 few percent apart, and compiling the candidates leaves most budgets with time over.
+
+Data parallel (``world_size > 1``, ``turbotrain tune --nproc N``): the search above gets
+1 - DP_BUDGET_SHARE of the budget and picks the compute recipe; then dp_search.py searches
+compression x bucket size for that recipe as torchrun jobs of N ranks, in the rest of the budget.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from ..bench.configs import LOSS_TOLERANCE
 from ..bench.interleave import run_interleaved, split_steps
 from ..bench.stats import bootstrap_ratio_ci, relative_change, round_times, speed_ratio
 from ..bench.worker import WorkerSpec, fixed_batches
+from .dp_search import DP_BUDGET_SHARE, check_dp_settings, run_dp_stage
 from .facts import analyse
 from .prune import hardware_reasons, order, prune
 from .row import CONFIG_ROW
@@ -78,7 +83,12 @@ class TuneSettings:
     val_batches: int = 4
     device: str = "auto"
     world_size: int = 1
-    """Ranks of the run being tuned; > 1 adds the data-parallel axes (pruned: see prune.py)."""
+    """Ranks of the data-parallel run being tuned (``--nproc``); > 1 adds the data-parallel stage:
+    compression x bucket size for the chosen recipe, measured as torchrun jobs of this many ranks
+    on this machine (dp_search.py)."""
+    link: str | None = None
+    """tc rate (e.g. '1gbit') the data-parallel jobs' loopback is shaped to (``--link``); None: plain
+    loopback. Needs world_size > 1, root and network namespaces."""
     max_candidates: int | None = None
     """Measure at most this many candidates besides the baseline (None: as many as the budget allows)."""
 
@@ -91,6 +101,13 @@ class TuneSettings:
         check_number("warmup", self.warmup, integer=True, minimum=0)
         if self.max_candidates is not None:
             check_number("max_candidates", self.max_candidates, integer=True, minimum=0)
+        if self.link is not None:
+            from ..bench.dp_ladder import parse_rate
+
+            if self.world_size < 2:
+                raise ConfigError(f"link={self.link!r} shapes the link of a data-parallel run; it needs world_size "
+                                  "(--nproc) of 2 or more, or no link")
+            parse_rate(self.link)
 
 
 @dataclass
@@ -320,7 +337,9 @@ def run_tune(workload, settings: TuneSettings, out_dir, *, workload_spec: dict, 
     """Tune ``workload`` (a Workload; ``workload_spec`` tells the workers how to load it: ``workload``
     and ``overrides``, or ``payload``) and write tuned.json, tune.json, tune.md and tune.html.
 
-    ``space``: the candidates to consider (default: enumerate_space over every axis), baseline included.
+    ``space``: the candidates to consider (default: enumerate_space over every compute axis), baseline
+    included. With ``settings.world_size > 1`` the data-parallel stage follows (a named workload only:
+    ``workload_spec`` must name it), and the winner's Config carries its DataParallelConfig.
     """
     import torch
 
@@ -329,7 +348,12 @@ def run_tune(workload, settings: TuneSettings, out_dir, *, workload_spec: dict, 
     started = time.monotonic() if started is None else started
     say = say or logger.info
     out_dir = check_output_dir(out_dir)
-    end = started + settings.budget_s
+    data_parallel = settings.world_size > 1
+    if data_parallel:  # refused before any of the budget is spent
+        check_dp_settings(settings.world_size, settings.link, workload_spec)
+    # the single-process search's share: with data parallelism the rest is the dp stage's
+    budget = settings.budget_s * (1 - DP_BUDGET_SHARE if data_parallel else 1)
+    end = started + budget
     device = resolve_device(settings.device)
     info = detect(device)
     batch = fixed_batches(workload, "train", 1, settings.seed, device)[0]
@@ -337,7 +361,10 @@ def run_tune(workload, settings: TuneSettings, out_dir, *, workload_spec: dict, 
         + (f", {info.cuda_name}" if info.cuda_name else "") + f"; torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads")
     facts = analyse(workload.build_model, workload.loss_fn, batch, device)
-    space = enumerate_space(facts.batch_rows, world_size=settings.world_size) if space is None else list(space)
+    space = enumerate_space(facts.batch_rows) if space is None else list(space)
+    if any(c.data_parallel for c in space):
+        raise ConfigError("the single-process search takes compute candidates only; data-parallel compression and "
+                          "bucket size are searched for its winner when settings.world_size > 1")
     if not any(c.is_baseline for c in space):
         raise ConfigError("the tune space must hold the baseline (plain FP32, nothing on): every ratio and loss "
                           "check is taken against it")
@@ -351,13 +378,13 @@ def run_tune(workload, settings: TuneSettings, out_dir, *, workload_spec: dict, 
         say(f"pruned {group['axis']} {', '.join(group['values'])} ({group['candidates']} candidates): {group['reason']}")
     by_name = {c.name: c for c in survivors}
     baseline = survivors[0].name
-    reserve = max(3.0, 0.03 * settings.budget_s)
-    deadline = started + ROUNDS_SHARE * settings.budget_s
+    reserve = max(3.0, 0.03 * budget)
+    deadline = started + ROUNDS_SHARE * budget
     admit = _Admission(by_name, baseline, settings, end, reserve, deadline)
     specs = _specs(survivors, settings, device, workload_spec, torch.get_num_threads())
     per_round = split_steps(settings.steps, settings.rounds)
     with tempfile.TemporaryDirectory(prefix="turbotrain-tune-") as tmp:
-        raw = run_interleaved(specs, per_round, Path(tmp), max(30.0, settings.budget_s / 2),
+        raw = run_interleaved(specs, per_round, Path(tmp), max(30.0, budget / 2),
                               live=_Progress(say, started), admit=admit, deadline=admit.rounds_deadline,
                               setup_timeout=admit.setup_limit, more=admit.more,
                               max_extra_rounds=EXTRA_ROUNDS_FACTOR * len(per_round))
@@ -369,10 +396,17 @@ def run_tune(workload, settings: TuneSettings, out_dir, *, workload_spec: dict, 
         say(f"{missed} candidates not reached within the budget (tune.md lists them with the estimate that kept "
             "each out)")
     winner = _winner(space)
-    doc = build_document(space, winner, facts, info, peaks, bandwidth, settings, workload, per_round,
-                         time.monotonic() - started)
-    paths = write_reports(doc, winner, out_dir)
-    return TuneResult(winner.config(), winner, space, doc, paths)
+    dp = None
+    if data_parallel:
+        dp = run_dp_stage(winner, workload, workload_spec, params=facts.params, world=settings.world_size,
+                          link=settings.link, steps=settings.steps, warmup=settings.warmup, seed=settings.seed,
+                          val_batches=settings.val_batches, bandwidth=bandwidth, threads=torch.get_num_threads(),
+                          end=started + settings.budget_s - max(3.0, 0.03 * settings.budget_s), say=say)
+    chosen = dp.winner if dp is not None else winner
+    doc = build_document(space, chosen, facts, info, peaks, bandwidth, settings, workload, per_round,
+                         time.monotonic() - started, dp=dp, compute_winner=winner)
+    paths = write_reports(doc, chosen, out_dir)
+    return TuneResult(chosen.config(), chosen, space + (dp.candidates if dp else []), doc, paths)
 
 
 def _peaks(info, device: str) -> dict:

@@ -9,19 +9,24 @@ Axes (each value is a Config setting, or the micro-batch split of the user's bat
                    optimizer is not an Engine option, it is the ladder's torch-compile-step row)
     checkpoint     none, blocks, selective
     accumulate     1, 2, 4: the batch split into that many micro-batches, one optimizer step
-    data parallel  compression x bucket size, only when the run is data parallel (world_size > 1)
+    data parallel  compression x DDP bucket size, for one compute recipe (the single-process
+                   search's winner): ``enumerate_dp_space``, searched by the data-parallel stage
+                   (dp_prune.py, dp_search.py) when the run has several ranks
 
 >>> space = enumerate_space(batch_rows=8)
 >>> len(space) == 5 * 7 * 2 * 3 * 3
 True
 >>> space[0].name, space[0].is_baseline
 ('fp32', True)
+>>> dp = enumerate_dp_space(space[0])
+>>> len(dp) == len(COMPRESSIONS) * len(BUCKET_MB_VALUES), dp[0].name, dp[0].is_dp_reference
+(True, 'fp32+dp:none:25MB', True)
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..comm.config import COMPRESSIONS
 from ..config import CHECKPOINT_MODES, FUSION_PATTERNS, Config
@@ -29,7 +34,8 @@ from ..errors import ConfigError, check_number
 from ..precision.config import PRECISIONS
 
 __all__ = ["Candidate", "AXES", "PRECISION_VALUES", "FUSION_VALUES", "COMPILE_VALUES", "ACCUMULATE_VALUES",
-           "BUCKET_MB_VALUES", "SHORT_PATTERN", "enumerate_space", "fusion_label"]
+           "BUCKET_MB_VALUES", "DEFAULT_BUCKET_MB", "SHORT_PATTERN", "enumerate_space", "enumerate_dp_space",
+           "fusion_label"]
 
 #: Every explicit precision mode ('auto' is a choice the tuner makes itself, so it is not a value).
 PRECISION_VALUES = tuple(p for p in PRECISIONS if p != "auto")
@@ -42,6 +48,8 @@ ACCUMULATE_VALUES = (1, 2, 4)
 #: DDP bucket sizes tried with each compression (MiB): DDP's default, and smaller buckets that
 #: start communicating earlier in backward.
 BUCKET_MB_VALUES = (25.0, 5.0)
+#: DDP's (and DataParallelConfig's) default bucket: the data-parallel stage's reference runs with it.
+DEFAULT_BUCKET_MB = 25.0
 SHORT_PATTERN = {"linear_act": "lact", "qkv": "qkv", "layernorm_gelu": "lngelu", "swiglu": "swiglu",
                  "linear_cross_entropy": "lce"}
 AXES = ("precision", "fusion", "compile", "checkpoint", "accumulate", "data_parallel")
@@ -87,9 +95,15 @@ class Candidate:
 
     @property
     def is_baseline(self) -> bool:
-        """Plain FP32 with nothing on: the shadow run every loss is checked against."""
+        """Plain FP32 with nothing on, in one process: the shadow run every loss is checked against."""
         return (self.precision == "fp32" and not self.fusion and self.compile == "none" and self.checkpoint is None
-                and self.accumulate == 1 and self.compression is None)
+                and self.accumulate == 1 and not self.data_parallel)
+
+    @property
+    def is_dp_reference(self) -> bool:
+        """Data parallel with DDP's defaults (no compression, the default bucket): the job the
+        data-parallel stage takes every ratio and loss delta against."""
+        return self.data_parallel and self.compression is None and self.bucket_mb == DEFAULT_BUCKET_MB
 
     @property
     def name(self) -> str:
@@ -103,8 +117,13 @@ class Candidate:
         if self.accumulate > 1:
             parts.append(f"acc{self.accumulate}")
         if self.data_parallel:
-            parts.append(f"dp:{self.compression or 'fp32'}:{self.bucket_mb:g}MB")
+            parts.append(f"dp:{self.dp_label}")
         return "+".join(parts)
+
+    @property
+    def dp_label(self) -> str:
+        """'compression:bucket', e.g. 'powersgd:5MB' ('none' for no compression)."""
+        return f"{self.compression or 'none'}:{self.bucket_mb:g}MB"
 
     def settings(self) -> dict:
         """The axis values, for reports."""
@@ -125,25 +144,43 @@ class Candidate:
                       checkpoint=self.checkpoint, accumulate=self.accumulate, data_parallel=dp)
 
 
-def enumerate_space(batch_rows: int, *, world_size: int = 1, precisions=PRECISION_VALUES, fusions=FUSION_VALUES,
-                    compiles=COMPILE_VALUES, checkpoints=CHECKPOINT_MODES, accumulates=ACCUMULATE_VALUES,
-                    compressions=COMPRESSIONS, bucket_mbs=BUCKET_MB_VALUES) -> list[Candidate]:
-    """Every combination of the axes, the baseline first; nothing is pruned here (prune.py does that).
+def enumerate_space(batch_rows: int, *, precisions=PRECISION_VALUES, fusions=FUSION_VALUES,
+                    compiles=COMPILE_VALUES, checkpoints=CHECKPOINT_MODES, accumulates=ACCUMULATE_VALUES
+                    ) -> list[Candidate]:
+    """Every combination of the compute axes, the baseline first; nothing is pruned here (prune.py does that).
 
     Accumulation values that do not divide ``batch_rows`` are kept, so the report can say why they
-    were dropped. The data-parallel axes exist only when ``world_size > 1``.
+    were dropped. The data-parallel axes are not crossed with these: ``enumerate_dp_space`` spans
+    them for the recipe this search picks (crossing them would multiply the space by 10 and measure
+    the exchange of recipes that lost on compute).
     """
     check_number("batch_rows", batch_rows, integer=True, minimum=1)
-    check_number("world_size", world_size, integer=True, minimum=1)
     for name, values in (("precisions", precisions), ("fusions", fusions), ("compiles", compiles),
                          ("checkpoints", checkpoints), ("accumulates", accumulates)):
         if not values:
             raise ConfigError(f"the tune space axis {name} is empty; give it at least one value")
-    dp_values = list(itertools.product(compressions, bucket_mbs)) if world_size > 1 else [(None, None)]
-    out = []
-    for precision, fusion, comp, ckpt, acc, (compression, bucket) in itertools.product(
-            precisions, fusions, compiles, checkpoints, accumulates, dp_values):
-        out.append(Candidate(precision, tuple(fusion), comp, ckpt, acc, batch_rows, compression=compression,
-                             bucket_mb=bucket, data_parallel=world_size > 1))
+    out = [Candidate(precision, tuple(fusion), comp, ckpt, acc, batch_rows)
+           for precision, fusion, comp, ckpt, acc in itertools.product(precisions, fusions, compiles, checkpoints,
+                                                                       accumulates)]
     out.sort(key=lambda c: not c.is_baseline)  # stable: the baseline first, the rest in product order
+    return out
+
+
+def enumerate_dp_space(recipe: Candidate, *, compressions=COMPRESSIONS, bucket_mbs=BUCKET_MB_VALUES
+                       ) -> list[Candidate]:
+    """Compression x bucket size for ``recipe``'s compute settings (precision, fusion, compile,
+    checkpointing, accumulation), DDP's defaults (no compression, the default bucket) first.
+
+    Every value ``DataParallelConfig(compression=...)`` accepts is enumerated, including those the
+    pruning will remove (fp16 on the wire, a cast to the gradients' own dtype), so the report says why.
+    """
+    if not compressions or not bucket_mbs:
+        raise ConfigError("the data-parallel space needs at least one compression and one bucket size")
+    if DEFAULT_BUCKET_MB not in bucket_mbs or None not in compressions:
+        raise ConfigError(f"the data-parallel space must hold DDP's defaults (compression None, bucket "
+                          f"{DEFAULT_BUCKET_MB:g} MiB): every ratio and loss delta is taken against that job")
+    out = [replace(recipe, compression=compression, bucket_mb=float(bucket), data_parallel=True, status="candidate",
+                   reason=None, pruned_axis=None, estimates={}, measured={})
+           for compression, bucket in itertools.product(compressions, bucket_mbs)]
+    out.sort(key=lambda c: not c.is_dp_reference)
     return out
