@@ -60,7 +60,10 @@ def test_row_metrics_of_a_sharded_row_against_ddp():
     assert m["step_time_vs_ddp"]["median"] == pytest.approx(0.6)
     assert m["state_bytes_vs_ddp"]["median"] == pytest.approx(820 / 1600)
     assert m["state_bytes_peak"]["median"] == 820 and m["rss_peak"]["median"] == 500 * 2**20
-    assert m["val_loss_delta"]["median"] == pytest.approx(1.0)
+    # its ranks train the same rows: the loss is compared with the one-process job's, not with ddp's
+    assert m["val_loss_delta"]["median"] == pytest.approx(1.0) and "one-process" in m["val_loss_delta"]["unit"]
+    assert row_metrics(tp, local, _result([1.0], 1600, val=7.0), tp=2)["val_loss_delta"]["median"] == pytest.approx(1.0)
+    assert row_metrics(tp, local, ddp, tp=1)["val_loss_delta"]["unit"] == "% vs ddp"
     assert "exchange_rounds_per_step" not in m  # FSDP's and DTensor's collectives are not counted
     assert row_metrics(ddp, local, ddp)["exchange_rounds_per_step"]["median"] == 1
 
