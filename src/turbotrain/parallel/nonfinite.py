@@ -23,8 +23,8 @@ from torch import nn
 
 from ..batch import Batch
 from ..diagnose.stats import all_finite
-from ..utils import local_shard
 from ..errors import TurbotrainError
+from ..utils import local_shard
 
 __all__ = ["RankFindings", "local_findings", "nonfinite_error"]
 

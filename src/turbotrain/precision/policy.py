@@ -350,5 +350,3 @@ def _cuda_bf16_native(device: torch.device) -> bool:
     from .. import hardware
 
     return hardware.cuda_bf16_native(device)
-
-
