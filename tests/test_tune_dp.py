@@ -20,7 +20,8 @@ from turbotrain.comm.config import COMPRESSIONS, DataParallelConfig
 from turbotrain.errors import ConfigError, HardwareError
 from turbotrain.tune.dp_prune import (PRUNE_MARGIN, DpFacts, compute_per_rank, dp_link, gradient_bytes, price,
                                       prune_dp)
-from turbotrain.tune.dp_search import check_dp_settings, choose_dp, onebit_problem, record_dp
+from turbotrain.tune.dp_search import (MIN_CHOICE_ROUNDS, _fit_two_rounds, check_dp_settings, choose_dp, onebit_problem,
+                                       record_dp, two_round_capacity)
 from turbotrain.tune.report import pruned_axes
 from turbotrain.tune.row import TUNED_ENV, _build_tuned_row
 from turbotrain.tune.search import TuneSettings, run_tune
@@ -184,14 +185,15 @@ def test_a_faster_job_within_the_loss_tolerance_wins_and_a_noisy_or_lossy_one_do
     space = enumerate_dp_space(_recipe())
     c = _by_label(space)
     ref = _job([1.0, 1.02, 0.98, 1.01, 0.99])
-    record_dp(c["none:25MB"], [ref], ref, "bf16", "1gbit")
-    record_dp(c["powersgd:25MB"], [_job([0.80, 0.82, 0.79, 0.81, 0.80], val=3.01, wire=100_000)], ref, "bf16", "1gbit")
+    record_dp(c["none:25MB"], [ref, ref], ref, "bf16", "1gbit")
+    psgd_job = _job([0.80, 0.82, 0.79, 0.81, 0.80], val=3.01, wire=100_000)
+    record_dp(c["powersgd:25MB"], [psgd_job, psgd_job], ref, "bf16", "1gbit")
     record_dp(c["onebit:25MB"], [_job([0.70, 0.71, 0.69, 0.70, 0.72], val=3.3)], ref, "bf16", "1gbit")
     record_dp(c["none:5MB"], [_job([0.97, 1.05, 0.96, 1.04, 0.95])], ref, "bf16", "1gbit")
     record_dp(c["powersgd:5MB"], None, ref, "bf16", "1gbit")
     assert c["onebit:25MB"].status == "rejected" and "outside the 1% tolerance" in c["onebit:25MB"].reason
     psgd = c["powersgd:25MB"].measured
-    assert psgd["ratio_vs_reference"] == pytest.approx(1.0 / 0.80)
+    assert psgd["ratio_vs_reference"] == pytest.approx(1.0 / 0.80) and psgd["rounds"] == 2
     assert psgd["ratio_ci95"][0] > 1.0 and psgd["wire_bytes_per_step"] == 100_000
     assert psgd["loss_delta_percent"] == pytest.approx(100 * 0.01 / 3.0)
     assert c["none:5MB"].measured["ratio_ci95"][0] <= 1.0 <= c["none:5MB"].measured["ratio_ci95"][1]
@@ -199,6 +201,40 @@ def test_a_faster_job_within_the_loss_tolerance_wins_and_a_noisy_or_lossy_one_do
     assert choose_dp(space) is c["powersgd:25MB"]  # onebit was faster but changed the loss
     c["powersgd:25MB"].status = "rejected"
     assert choose_dp(space) is c["none:25MB"]  # none:5MB is within the noise: the reference stays
+
+
+def test_a_candidate_that_pays_in_one_round_is_not_chosen_and_is_told_why():
+    space = enumerate_dp_space(_recipe())
+    c = _by_label(space)
+    ref, fast = _job([1.0, 1.02, 0.98, 1.01, 0.99]), _job([0.80, 0.82, 0.79, 0.81, 0.80])
+    record_dp(c["none:25MB"], [ref], ref, "bf16", "1gbit")
+    record_dp(c["powersgd:25MB"], [fast], ref, "bf16", "1gbit")
+    assert c["powersgd:25MB"].measured["ratio_ci95"][0] > 1.0  # it pays within its one job...
+    assert choose_dp(space) is c["none:25MB"]  # ...but one job each cannot show the drift between jobs
+    assert "1 round(s)" in c["powersgd:25MB"].reason and f"needs {MIN_CHOICE_ROUNDS}" in c["powersgd:25MB"].reason
+    record_dp(c["powersgd:25MB"], [fast, fast], ref, "bf16", "1gbit")
+    assert choose_dp(space) is c["none:25MB"]  # the reference ran one round too
+    record_dp(c["none:25MB"], [ref, ref], ref, "bf16", "1gbit")
+    assert choose_dp(space) is c["powersgd:25MB"]
+
+
+@pytest.mark.parametrize("left, job, keep", [(100.0, 20.0, 2), (59.0, 20.0, 0), (60.0, 20.0, 1), (1000.0, 20.0, 24)])
+def test_two_round_capacity(left, job, keep):
+    assert two_round_capacity(left, job) == keep
+    if keep:  # 2 x keep candidate jobs and the reference once more fit; one more candidate would not
+        assert (2 * keep + 1) * job <= left < (2 * (keep + 1) + 1) * job
+
+
+def test_survivors_are_cut_to_what_two_rounds_hold_in_predicted_order():
+    space = enumerate_dp_space(_recipe(precision="fp32", fusion=(), compile="none", accumulate=1))
+    survivors = prune_dp(space, _facts(precision="fp32"), dp_link(2))
+    reference, queue = survivors[0], survivors[1:]
+    assert len(queue) >= 3
+    kept, rest = _fit_two_rounds(survivors, list(queue), left_s=100.0, job_s=20.0)
+    assert rest == queue[:2] and kept == [reference, *queue[:2]]
+    assert all("two rounds hold 2" in c.reason and "raise --budget" in c.reason for c in queue[2:])
+    # not even one candidate fits twice: all are kept for one informative round
+    assert _fit_two_rounds(survivors, list(queue), left_s=50.0, job_s=20.0) == (survivors, queue)
 
 
 def test_an_out_of_sync_or_failed_job_is_never_chosen():

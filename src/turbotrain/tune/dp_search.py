@@ -13,15 +13,19 @@ timed step is compressed.
 
 Order and rounds, the ladder's idea: round 0 runs the reference (no compression, DDP's 25 MiB bucket)
 first, then the survivors by predicted step; round 1 runs them in reverse, and so on, while a whole
-round still fits the budget (at most MAX_ROUNDS). A job is started only when its estimate (the
+round still fits the budget (at most MAX_ROUNDS). Once the reference's first job has shown what a
+job costs, the survivors are cut, in predicted order, to as many as two whole rounds can hold (the
+rest "not reached", with that reason): a choice needs two rounds (MIN_CHOICE_ROUNDS). A job is started only when its estimate (the
 longest job so far) fits; one that does not is "not reached". A row's timed steps pool over its
 rounds; its ratio to the reference is median over median with a 95% bootstrap interval over the
 pooled steps, step i paired with the reference's step i (bench.stats.bootstrap_ratio_ci).
 
-The choice: the reference, unless a candidate's interval lies wholly above 1.0 and its val loss is
-within the tolerance of the recipe's compute dtype (bench.configs.LOSS_TOLERANCE) of the reference
-job's; then the fastest such. Compression changes the training (error feedback, a frozen
-variance), so it has to pay measurably, not within the noise.
+The choice: the reference, unless a candidate ran at least MIN_CHOICE_ROUNDS rounds (and the
+reference too), its interval lies wholly above 1.0 and its val loss is within the tolerance of the
+recipe's compute dtype (bench.configs.LOSS_TOLERANCE) of the reference job's; then the fastest such.
+Compression changes the training (error feedback, a frozen variance), so it has to pay measurably,
+not within the noise; and the interval pairs steps within jobs, so one job each cannot show the
+drift between jobs.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from .dp_prune import (DP_MODEL, PRUNE_MARGIN, DpFacts, compute_per_rank, dp_lin
 from .space import Candidate, enumerate_dp_space
 
 __all__ = ["DpStage", "run_dp_stage", "check_dp_settings", "choose_dp", "record_dp", "onebit_problem",
-           "DP_BUDGET_SHARE", "MAX_ROUNDS", "MIN_JOB_S", "CHOICE_RULE"]
+           "two_round_capacity", "DP_BUDGET_SHARE", "MAX_ROUNDS", "MIN_JOB_S", "MIN_CHOICE_ROUNDS", "CHOICE_RULE"]
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +57,14 @@ MAX_ROUNDS = 4
 #: No job starts with less than this left: torchrun, N torch imports and a build take about this
 #: much on the 2-core machine this was written on, before the first step.
 MIN_JOB_S = 10.0
-CHOICE_RULE = ("the reference (no compression, DDP's 25 MiB bucket) unless a candidate's 95% interval of throughput "
+#: Rounds a candidate (and the reference) must have run before it can be chosen. The bootstrap
+#: interval pairs steps within one job each, which cannot see how much whole jobs differ: the same
+#: uncompressed job ran 3855 and 4383 ms a step in two rounds of one ladder
+#: (benchmarks/2026-12-05-avx2-dp-1gbit), and one tune round measured bf16 on the wire at 1.29x with
+#: a 5 MiB bucket and 0.97x with 25 MiB.
+MIN_CHOICE_ROUNDS = 2
+CHOICE_RULE = ("the reference (no compression, DDP's 25 MiB bucket) unless a candidate ran at least "
+               f"{MIN_CHOICE_ROUNDS} alternating rounds, as the reference did, and its 95% interval of throughput "
                "against it lies wholly above 1.0 with its val loss within the compute dtype's tolerance of the "
                "reference job's; then the fastest such")
 
@@ -147,11 +158,31 @@ def record_dp(c: Candidate, runs: list[dict] | None, reference: dict | None, com
 
 
 def choose_dp(candidates: list[Candidate]) -> Candidate:
-    """CHOICE_RULE over recorded candidates."""
+    """CHOICE_RULE over recorded candidates; a candidate that pays in fewer rounds is told why it was
+    not chosen (its ``reason``)."""
     reference = next(c for c in candidates if c.is_dp_reference)
-    paying = [c for c in candidates if c.status == "measured" and not c.is_dp_reference
-              and c.measured["ratio_ci95"][0] > 1.0]
+    reference_rounds = (reference.measured or {}).get("rounds", 0)
+    paying = []
+    for c in candidates:
+        if c.status != "measured" or c.is_dp_reference or c.measured["ratio_ci95"][0] <= 1.0:
+            continue
+        rounds = min(c.measured["rounds"], reference_rounds)
+        if rounds < MIN_CHOICE_ROUNDS:
+            c.reason = (f"its interval clears 1.0, but in {rounds} round(s) of the reference and of it; a choice "
+                        f"needs {MIN_CHOICE_ROUNDS} (jobs differ by more than one job's steps show); raise --budget")
+            continue
+        paying.append(c)
     return max(paying, key=lambda c: c.measured["ratio_vs_reference"]) if paying else reference
+
+
+def two_round_capacity(left_s: float, job_s: float) -> int:
+    """How many candidates besides the reference two whole rounds can hold, the reference's first job
+    done: 2k of theirs and the reference's second must fit in ``left_s`` at ``job_s`` a job.
+
+    >>> two_round_capacity(100.0, 20.0)   # 5 jobs left: 2 candidates x 2 rounds + the reference once more
+    2
+    """
+    return max(0, int((left_s / job_s - 1) // 2))
 
 
 def _estimate(runs: dict[str, list[dict]]) -> float | None:
@@ -174,7 +205,9 @@ def _measure(survivors: list[Candidate], base_spec: dict, world: int, link: str 
                 if len(alive) < 2 or time.monotonic() + (_estimate(runs) or 0.0) * len(alive) > end:
                     break  # a round starts only when all of it fits: half a round would unpair the intervals
                 order = alive
-            for c in order:
+            queue = list(order)
+            while queue:
+                c = queue.pop(0)
                 left = end - time.monotonic()
                 estimate = _estimate(runs)
                 if left < max(MIN_JOB_S, estimate or 0.0):
@@ -193,7 +226,22 @@ def _measure(survivors: list[Candidate], base_spec: dict, world: int, link: str 
                     + f" (job {result['job_seconds']:.0f} s)")
                 if r == 0 and c.is_dp_reference and not ok:
                     return runs  # nothing can be compared with a reference that failed
+                if r == 0 and c.is_dp_reference:
+                    survivors, queue = _fit_two_rounds(survivors, queue, end - time.monotonic(), _estimate(runs))
     return runs
+
+
+def _fit_two_rounds(survivors: list[Candidate], queue: list[Candidate], left_s: float, job_s: float):
+    """Cut the candidates still queued for round 0 to what two rounds can hold (in predicted order);
+    where not even one fits twice, keep them all for one informative round."""
+    keep = two_round_capacity(left_s, job_s)
+    if keep < 1 or keep >= len(queue):
+        return survivors, queue
+    for c in queue[keep:]:
+        c.reason = (f"two rounds hold {keep} candidate(s) besides the reference in the {max(left_s, 0):.0f} s left "
+                    f"(a job takes about {job_s:.0f} s), and this one was predicted slower; raise --budget")
+    cut = set(id(c) for c in queue[keep:])
+    return [c for c in survivors if id(c) not in cut], queue[:keep]
 
 
 def run_dp_stage(recipe: Candidate, workload, workload_spec: dict, *, params: int, world: int, link: str | None,
