@@ -418,12 +418,16 @@ def _bytes(b: float) -> str:
 
 
 def format_table(rows: list[dict]) -> str:
-    """One line per row: ranks, algorithm, compressor, bytes, exchange, exposed, step, overhead."""
-    head = (f"{'ranks':>6} {'algorithm':<22} {'compressor':<13} {'sent/rank':>10} {'exchange':>10} "
+    """One line per row: ranks, algorithm, compressor, bytes, exchange, exposed, step, overhead.
+
+    ``payload/rank`` is what each rank hands to the collectives (the all-reduced buffer; 1-bit
+    Adam's signs), not what it sends: a ring all-reduce of S bytes sends 2(N-1)/N x S per rank,
+    and the exchange time counts that."""
+    head = (f"{'ranks':>6} {'algorithm':<22} {'compressor':<13} {'payload/rank':>12} {'exchange':>10} "
             f"{'exposed':>10} {'extra':>9} {'step':>10} {'overhead':>9}  note")
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r['ranks']:>6} {r['algorithm']:<22} {r['compressor']:<13} {_bytes(r['bytes_per_rank']):>10} "
+        lines.append(f"{r['ranks']:>6} {r['algorithm']:<22} {r['compressor']:<13} {_bytes(r['bytes_per_rank']):>12} "
                      f"{_seconds(r['comm_s']):>10} {_seconds(r['exposed_s']):>10} {_seconds(r['compressor_s']):>9} "
                      f"{_seconds(r['step_s']):>10} {r['overhead']:>8.1%}  {r['note']}")
     return "\n".join(lines)
