@@ -8,6 +8,7 @@ is shared with test_comm_strategies.py (three ranks) and the slow convergence ru
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import traceback
@@ -398,9 +399,43 @@ def sc_engine_master(info):
             "model": [p.detach().clone() for p in engine.module.parameters()]}
 
 
+class _BufferedNet(nn.Module):
+    """A model with a buffer, as HF Llama has its rotary inv_freq: DDP broadcasts buffers in forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("scale", torch.ones(8))
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8))
+
+    def forward(self, x):
+        return self.net(x * self.scale)
+
+
+def sc_engine_eval_on_rank0(info):
+    # A user's loop that evaluates on rank 0 alone between steps. Were eval_loss to run DDP's forward
+    # as training does, rank 0 would broadcast the buffer to ranks that never join, and hang.
+    from turbotrain import Config, Engine
+
+    torch.manual_seed(0)
+    model = _BufferedNet()
+    engine = Engine(model, torch.optim.AdamW(model.parameters(), lr=1e-2), nn.functional.cross_entropy,
+                    config=Config(data_parallel=True, device="cpu"))
+    g = torch.Generator().manual_seed(7 + info.rank)
+
+    def batch():
+        return torch.randn(8, 8, generator=g), torch.randint(0, 8, (8,), generator=g)
+
+    engine.step(batch())
+    val = engine.eval_loss([batch(), batch()]) if info.rank == 0 else None
+    engine.step(batch())  # both ranks train on after rank 0's evaluation
+    dist.barrier()
+    return {"val": val, "steps": engine.steps, "final": [p.detach().clone() for p in engine.module.parameters()]}
+
+
+# sc_engine_eval_on_rank0 last: without its fix one rank waits on a collective the other never joins
 SCENARIOS = [sc_info, sc_cast, sc_accumulate, sc_powersgd, sc_powersgd_batched, sc_onebit, sc_onebit_bytes,
              sc_onebit_exchange, sc_onebit_parts, sc_bench_points, sc_preflight, sc_found_inf, sc_sync_bn, sc_sparse,
-             sc_engine, sc_engine_master]
+             sc_engine, sc_engine_master, sc_engine_eval_on_rank0]
 
 
 def _worker(rank, world, port, out_dir, scenarios):
@@ -846,6 +881,14 @@ def test_sparse_embedding_grads_are_averaged_sparsely(ranks):
         torch.testing.assert_close(r["head"], expect_head, rtol=1e-6, atol=1e-7)
         assert r["rounds"] == 1
     assert not torch.equal(res[0]["local_emb"], res[1]["local_emb"])  # the ranks did see different rows
+
+
+def test_eval_on_rank_zero_alone_issues_no_collective_and_training_goes_on(ranks):
+    res = result(ranks, "sc_engine_eval_on_rank0")
+    assert res[0]["val"] is not None and math.isfinite(res[0]["val"]) and res[1]["val"] is None
+    assert res[0]["steps"] == res[1]["steps"] == 2
+    for a, b in zip(res[0]["final"], res[1]["final"]):  # the replicas stayed in step through it
+        torch.testing.assert_close(a, b)
 
 
 def test_engine_data_parallel_equals_single_process_on_the_global_batch(ranks):

@@ -450,16 +450,24 @@ class Engine:
     # -- evaluation ----------------------------------------------------------------------------
     @torch.no_grad()
     def eval_loss(self, batches) -> float:
-        """Mean loss over ``batches`` under the engine's precision, in eval mode."""
+        """Mean loss over ``batches`` under the engine's precision, in eval mode, without gradients.
+
+        Under data parallelism it may run on one rank alone (rank 0's evaluation): it issues no
+        collective (``Transform.eval_context``). A sharded model's forward is collective, so there
+        every rank evaluates."""
         was_training = self.module.training
         self.module.eval()
         total, count = 0.0, 0
         try:
-            for batch in batches:
-                b = self._prepare_batch(batch)
-                with self.autocast():
-                    total += float(self._runner(b.args, b.kwargs, b.targets, b.kind))
-                count += 1
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(torch.no_grad())
+                for t in self.transforms:
+                    stack.enter_context(t.eval_context())
+                for batch in batches:
+                    b = self._prepare_batch(batch)
+                    with self.autocast():
+                        total += float(self._runner(b.args, b.kwargs, b.targets, b.kind))
+                    count += 1
         finally:
             self.module.train(was_training)
         if count == 0:

@@ -141,6 +141,11 @@ class Transform:
     def accumulate_context(self, closes_step: bool) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
 
+    def eval_context(self) -> contextlib.AbstractContextManager:
+        """Entered around ``Engine.eval_loss``, which may run on some ranks only: nothing in it may
+        issue a collective the other ranks would have to join."""
+        return contextlib.nullcontext()
+
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss
 

@@ -22,6 +22,8 @@ class DataParallelTransform(Transform):
         self.dp = dp
         self.state = None
         """The CommState once the model is wrapped."""
+        self.ddp = None
+        """The DistributedDataParallel wrapper once the model is wrapped."""
 
     def place(self, device: torch.device) -> torch.device:
         # The process group and the rank's GPU come first: the model, the FP32 masters and every
@@ -41,6 +43,7 @@ class DataParallelTransform(Transform):
         from .ddp import prepare
 
         ddp, _, self.state = prepare(module, ctx.optimizer, self.dp, ctx.device)
+        self.ddp = ddp
         # DDP broadcast rank 0's (possibly low-precision) weights; the FP32 masters must follow, or
         # the first copy-back would restore each rank's own initialisation and the replicas diverge.
         for low, master in plan.master_of.items():
@@ -50,6 +53,24 @@ class DataParallelTransform(Transform):
 
     def accumulate_context(self, closes_step: bool):
         return contextlib.nullcontext() if closes_step else self.state.no_sync()
+
+    @contextlib.contextmanager
+    def eval_context(self):
+        # DDP's forward broadcasts rank 0's buffers (HF Llama's rotary inv_freq, BatchNorm's running
+        # stats) when the last forward prepared a backward: a collective, so a loss evaluated on rank 0
+        # alone would wait for ranks that never call it. The flag is put back afterwards: a forward
+        # without grad clears it, and then this rank's next training forward would skip the broadcast
+        # the other ranks' make. Every replica holds the same buffers, so skipping it in eval changes
+        # no numbers.
+        if self.ddp is None:
+            yield
+            return
+        saved = self.ddp.require_forward_param_sync
+        self.ddp.require_forward_param_sync = False
+        try:
+            yield
+        finally:
+            self.ddp.require_forward_param_sync = saved
 
     def before_optimizer_step(self, ctx: StepContext) -> None:
         if ctx.found_inf is not None:
