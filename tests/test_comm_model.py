@@ -156,3 +156,14 @@ def test_inputs_are_checked():
     with pytest.raises(ConfigError, match="model_params > 0"):
         predict(0, "10gbe", 1)
     assert math.isfinite(predict(1e6, "ib400", 1, gpus_per_node=1, compute_s=1.0, ranks=())[0]["step_s"])
+
+
+def test_comm_plan_cli_takes_the_fit_flag_the_docs_name(tmp_path, capsys):
+    """docs/comm-plan.md and the README say --fit-json; --fit is kept for scripts that used it."""
+    from turbotrain.cli import main
+
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps(_rows(40e-6, 1 / 1.2e9)))
+    for flag in ("--fit-json", "--fit"):
+        assert main(["comm-plan", "--model-params", "1e8", "--link", "10gbe", "--nodes", "2", flag, str(bench)]) == 0
+        assert "# fit: all_reduce on 2 ranks" in capsys.readouterr().out

@@ -18,10 +18,11 @@ from turbotrain import Config
 from turbotrain.cli import main
 from turbotrain.comm.config import COMPRESSIONS, DataParallelConfig
 from turbotrain.errors import ConfigError, HardwareError
-from turbotrain.tune.dp_prune import (PRUNE_MARGIN, DpFacts, compute_per_rank, dp_link, gradient_bytes, price,
-                                      prune_dp)
+from turbotrain.tune import dp_search
+from turbotrain.tune.dp_prune import (DP_MODEL, PRUNE_MARGIN, DpFacts, compute_per_rank, dp_link, gradient_bytes,
+                                      load_link_fit, price, prune_dp)
 from turbotrain.tune.dp_search import (MIN_CHOICE_ROUNDS, _fit_two_rounds, check_dp_settings, choose_dp, onebit_problem,
-                                       record_dp, two_round_capacity)
+                                       record_dp, run_dp_stage, two_round_capacity)
 from turbotrain.tune.report import pruned_axes
 from turbotrain.tune.row import TUNED_ENV, _build_tuned_row
 from turbotrain.tune.search import TuneSettings, run_tune
@@ -174,6 +175,96 @@ def test_compute_per_rank_scales_to_the_threads_a_rank_gets():
     assert compute_per_rank(1.0, threads=1, world=4, cores=2) == 2.0  # 4 single-thread ranks on 2 cores
 
 
+# ------------------------------------------------------------------------- the user's link (--fit-json)
+def _bench_rows(alpha, beta, world=2, op="all_reduce", sizes=tuple(4**k for k in range(5, 12)), noise=(0.0,)):
+    """comm-bench's written rows (bench/comm_bench.py), timed alpha + beta x size, off by ``noise`` in turn."""
+    return [{"workload": "comm-bench", "config": {"op": op, "size": size, "count": size // 4, "type": "float32",
+                                                  "redop": "sum", "backend": "gloo", "world_size": world},
+             "metric": "busbw", "unit": "GB/s", "time_us": (alpha + beta * size) * (1 + noise[i % len(noise)]) * 1e6}
+            for i, size in enumerate(sizes)]
+
+
+def _bench_file(tmp_path, rows, name="bench.json"):
+    path = tmp_path / name
+    path.write_text(json.dumps(rows))
+    return str(path)
+
+
+#: A link far slower than the built-in loopback fit (1.034 GB/s of buffer, 267 us): 10 MB/s, 2 ms.
+SLOW_ALPHA, SLOW_BETA = 2e-3, 1 / 10e6
+
+
+def test_a_fitted_link_replaces_the_loopback_fit_and_prices_the_candidates_on_it(tmp_path):
+    path = _bench_file(tmp_path, _bench_rows(SLOW_ALPHA, SLOW_BETA) + _bench_rows(1e-6, 1e-12, op="all_gather"))
+    fit = load_link_fit(path, 2)
+    assert (fit.op, fit.world) == ("all_reduce", 2)
+    link = dp_link(2, fit=fit, source=path)
+    # by hand, at 2 ranks: a ring all-reduce is 2 hops and moves 2(n-1)/n = 1 buffer over the link
+    assert link.bytes_per_s == pytest.approx(10e6, rel=1e-6) and link.alpha_s == pytest.approx(SLOW_ALPHA / 2)
+    assert "bench.json" in link.name and "plain loopback" not in link.name
+    reference = enumerate_dp_space(_recipe(precision="fp32", fusion=(), compile="none", accumulate=1))[0]
+    facts = _facts(precision="fp32", params=1_000_000, compute_s=0.01)  # 4 MB of gradient: one bucket, all exposed
+    fitted, loopback = price(reference, facts, link), price(reference, facts, dp_link(2))
+    assert fitted["exposed_s"] == pytest.approx(SLOW_ALPHA + SLOW_BETA * 4e6, rel=1e-6)  # the file's own time
+    assert fitted["exposed_s"] > 50 * loopback["exposed_s"]
+    # on this link bytes are everything: the model prunes what it keeps on loopback
+    kept = {}
+    for name, model_link in (("fitted", link), ("loopback", dp_link(2))):
+        space = enumerate_dp_space(_recipe(precision="fp32", fusion=(), compile="none", accumulate=1))
+        kept[name] = {c.dp_label for c in prune_dp(space, _facts(precision="fp32", params=20_000_000), model_link)}
+        if name == "fitted":
+            assert "bench.json" in _by_label(space)["none:5MB"].reason
+    assert "none:5MB" in kept["loopback"] and "none:5MB" not in kept["fitted"]
+
+
+def test_the_fit_of_the_runs_world_is_taken_else_the_largest_shared_out_as_loopbacks_is(tmp_path):
+    alpha2, beta2, alpha4, beta4 = 100e-6, 1 / 1e9, 300e-6, 1 / 0.5e9
+    path = _bench_file(tmp_path, _bench_rows(alpha2, beta2, world=2) + _bench_rows(alpha4, beta4, world=4)
+                       + _bench_rows(1e-6, 1e-12, world=1))  # one rank exchanges nothing: never a link
+    assert load_link_fit(path, 2).world == 2 and load_link_fit(path, 4).world == 4
+    assert load_link_fit(path, 3).world == 4 and load_link_fit(path, 8).world == 4
+    at_two = dp_link(2, fit=load_link_fit(path, 2), source=path)
+    assert at_two.bytes_per_s == pytest.approx(1e9, rel=1e-6) and at_two.alpha_s == pytest.approx(alpha2 / 2)
+    # fitted on 4 ranks: 2(n-1) = 6 hops and 2(n-1)/n = 1.5 buffers over the link; 8 ranks get 4/8 of it,
+    # the rule the built-in fit of 2 ranks follows (1.034 GB/s x 2/8)
+    at_eight = dp_link(8, fit=load_link_fit(path, 8), source=path)
+    assert at_eight.bytes_per_s == pytest.approx(1.5 * 0.5e9 * 4 / 8, rel=1e-6)
+    assert at_eight.alpha_s == pytest.approx(alpha4 / 6)
+    assert dp_link(8).bytes_per_s == pytest.approx(1.034e9 * 2 / 8, rel=1e-6)
+
+
+def test_the_dp_stage_prices_and_reports_the_users_fit(tmp_path, monkeypatch):
+    import turbotrain.bench.dp_ladder as dp_ladder
+
+    path = _bench_file(tmp_path, _bench_rows(SLOW_ALPHA, SLOW_BETA, noise=(0.1, -0.1)), name="my-network.json")
+    monkeypatch.setattr(dp_search, "_measure", lambda *args, **kwargs: {})  # price only: no torchrun job
+    monkeypatch.setattr(dp_ladder, "namespace_problem", lambda: "not probed in this test")
+    recipe = _recipe(precision="fp32", fusion=(), compile="none", accumulate=1)
+    recipe.measured = {"step_seconds": 0.5}
+    workload = user_workload(_tiny_model, _adamw, _tiny_batches())
+
+    def stage(fit_json):
+        said = []
+        dp = run_dp_stage(recipe, workload, {"workload": "gpt"}, params=20_000_000, world=2, link=None, steps=2,
+                          warmup=8, seed=0, val_batches=1, bandwidth=1e10, threads=1, end=time.monotonic() + 60,
+                          say=said.append, fit_json=fit_json)
+        return dp, "\n".join(said)
+
+    dp, said = stage(path)
+    section, fit = dp.section, load_link_fit(path, 2)
+    assert section["link_fit"]["file"] == path and section["link_fit"]["alpha_s"] == fit.alpha_s
+    assert "my-network.json" in section["link"] and "my-network.json" in said
+    assert section["link_model"]["alpha_s"] == pytest.approx(fit.alpha_s / 2)
+    for text in (section["model"], said):  # where the link came from, its alpha, bandwidth and errors
+        assert fit.describe() in text
+    assert "the user's comm-bench fit in " + path in section["model"] and section["model"] != DP_MODEL
+    assert "median" in fit.describe() and f"{fit.max_error:.1%}" in fit.describe()
+    plain, _ = stage(None)
+    assert plain.section["model"] == DP_MODEL and "docs/comm-plan.md" in DP_MODEL and plain.section["link_fit"] is None
+    predicted = [next(c for c in d.candidates if c.is_dp_reference).estimates["step_s"] for d in (dp, plain)]
+    assert predicted[0] > 10 * predicted[1]  # the slow fitted link, not loopback, priced the uncompressed job
+
+
 # ------------------------------------------------------------------------------- recording, choosing
 def _job(steps, val=3.0, wire=4_000_000):
     return {"status": "ok", "step_seconds": steps, "val_loss": val, "items_per_step": 8, "unit": "samples",
@@ -260,6 +351,69 @@ def test_bad_dp_input_exits_2_with_one_line(argv, words, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("turbotrain tune: error: ") and words in err[0]
+
+
+def _never_searched(*args, **kwargs):
+    raise AssertionError("the search started before the bad input was refused")
+
+
+@pytest.mark.parametrize("case, words", [
+    ("no --nproc", "give --nproc N"),
+    ("with --link", "choose one"),
+    ("missing", "cannot be read"),
+    ("not json", "is not comm-bench JSON"),
+    ("an object", "is not comm-bench JSON"),
+    ("not rows", "is not a comm-bench row"),
+    ("no all_reduce", "no all_reduce rows with two or more sizes"),
+    ("one size", "no all_reduce rows with two or more sizes"),
+    ("one rank", "no all_reduce rows with two or more sizes"),
+    ("flat", "give no bandwidth"),
+])
+def test_a_bad_fit_json_exits_2_with_one_line_before_the_search(case, words, tmp_path, capsys, monkeypatch):
+    import turbotrain.tune.search as search
+
+    monkeypatch.setattr(search, "run_tune", _never_searched)
+    good = _bench_file(tmp_path, _bench_rows(100e-6, 1e-9), name="good.json")
+    files = {"not json": "hello", "an object": json.dumps({"rows": _bench_rows(100e-6, 1e-9)}),
+             "not rows": json.dumps([{"op": "all_reduce", "size": 4}]),
+             "no all_reduce": json.dumps(_bench_rows(100e-6, 1e-9, op="all_gather")),
+             "one size": json.dumps(_bench_rows(100e-6, 1e-9, sizes=(4096,)) + _bench_rows(1e-6, 1e-12, world=4)[:1]),
+             "one rank": json.dumps(_bench_rows(100e-6, 1e-9, world=1)),
+             "flat": json.dumps([{**r, "time_us": 100.0 - i} for i, r in enumerate(_bench_rows(100e-6, 1e-9))])}
+    path = str(tmp_path / "bad.json")
+    if case in files:
+        (tmp_path / "bad.json").write_text(files[case])
+    argv = {"no --nproc": ["--fit-json", good], "with --link": ["--nproc", "2", "--link", "1gbit", "--fit-json", good]
+            }.get(case, ["--nproc", "2", "--fit-json", path])
+    assert main(["tune", "--quick", "--out", str(tmp_path / "out"), *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("turbotrain tune: error: ")
+    assert "--fit-json" in err[0] and words in err[0]
+    assert (good if case in ("no --nproc", "with --link") else path) in err[0]
+    assert not (tmp_path / "out" / "tuned.json").exists()
+
+
+def test_the_cli_hands_the_fit_to_the_search(tmp_path, monkeypatch):
+    import turbotrain.tune.search as search
+
+    class Searched(Exception):
+        pass
+
+    def capture(workload, settings, *args, **kwargs):
+        seen.append(settings)
+        raise Searched
+
+    seen = []
+    monkeypatch.setattr(search, "run_tune", capture)
+    path = _bench_file(tmp_path, _bench_rows(100e-6, 1e-9))
+    with pytest.raises(Searched):
+        main(["tune", "--quick", "--nproc", "2", "--fit-json", path, "--out", str(tmp_path / "out")])
+    assert seen[0].fit_json == path and seen[0].world_size == 2 and seen[0].link is None
+    with pytest.raises(ConfigError, match="world_size"):
+        TuneSettings(fit_json=path)
+    with pytest.raises(ConfigError, match="choose one"):  # the Python API is refused as the CLI is
+        run_tune(None, TuneSettings(world_size=2, link="1gbit", fit_json=path), tmp_path / "api",
+                 workload_spec={"workload": "gpt"})
 
 
 def test_a_link_that_cannot_be_shaped_here_is_refused_before_the_search(tmp_path, capsys, monkeypatch):

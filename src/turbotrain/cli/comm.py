@@ -142,7 +142,8 @@ def add_parsers(subparsers, parents=()) -> None:
     c.add_argument("--nodes", type=int, required=True)
     c.add_argument("--gpus-per-node", type=int, default=8)
     c.add_argument("--compute-s", type=float, default=None, help="compute time of one step (default: estimated)")
-    c.add_argument("--fit", default=None, help="comm-bench JSON to fit latency and bandwidth from")
+    c.add_argument("--fit-json", "--fit", dest="fit", default=None, metavar="FILE",
+                   help="comm-bench JSON (turbotrain comm-bench --out) to fit latency and bandwidth from")
     c.add_argument("--plot", default=None, help="write a PNG of the predictions here")
     c.set_defaults(func=_comm_plan)
 

@@ -1,6 +1,6 @@
 """``turbotrain tune``: search the Config space for a workload within a time and a memory budget.
 
-    turbotrain tune --workload gpt --budget 5m [--max-memory 8G] [--nproc 2 [--link 1gbit]]
+    turbotrain tune --workload gpt --budget 5m [--max-memory 8G] [--nproc 2 [--link 1gbit | --fit-json FILE]]
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ def _tune(args) -> int:
     started = time.monotonic()  # the budget counts from here: imports and analysis are part of it
     from ..bench.runner import QUICK_OVERRIDES
     from ..bench.worker import load_workload
+    from ..tune.dp_search import check_dp_settings
     from ..tune.search import TuneSettings, parse_duration, parse_memory, run_tune
     from ..errors import ConfigError
     from ..utils import check_output_dir
@@ -26,6 +27,8 @@ def _tune(args) -> int:
     if args.link is not None and args.nproc is None:
         raise ConfigError(f"--link {args.link} shapes the link of a data-parallel run; give --nproc N (N >= 2) "
                           "with it, or drop --link")
+    if args.fit_json is not None:  # a file no link can be fitted from costs a line, not a compute search
+        check_dp_settings(args.nproc or 1, args.link, fit_json=args.fit_json)
     budget = parse_duration(args.budget)
     max_memory = parse_memory(args.max_memory)
     check_output_dir(args.out)
@@ -36,7 +39,7 @@ def _tune(args) -> int:
     settings = TuneSettings(budget_s=budget, max_memory=max_memory, steps=args.steps, rounds=args.rounds,
                             warmup=args.warmup, seed=args.seed, val_batches=2 if args.quick else 4,
                             device=args.device, max_candidates=args.max_candidates, world_size=args.nproc or 1,
-                            link=args.link)
+                            link=args.link, fit_json=args.fit_json)
     result = run_tune(workload, settings, args.out, workload_spec={"workload": args.workload, "overrides": overrides},
                       say=print, started=started)
     doc = result.document
@@ -80,6 +83,10 @@ def add_parsers(subparsers, parents=()) -> None:
     p.add_argument("--link", default=None, metavar="RATE",
                    help="with --nproc: shape the jobs' loopback to a tc rate, e.g. 1gbit (needs root and network "
                         "namespaces); default plain loopback")
+    p.add_argument("--fit-json", default=None, metavar="FILE",
+                   help="with --nproc: price the data-parallel candidates on the link fitted from this comm-bench "
+                        "JSON (turbotrain comm-bench --out) instead of the built-in loopback fit; the jobs still run "
+                        "on this machine's loopback")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="workload override, repeatable (e.g. --set T=512)")

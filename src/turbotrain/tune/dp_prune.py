@@ -18,9 +18,11 @@ defaults with no compression, is never pruned):
      (tune's jobs are short): the job would diverge or fail the loss check, so it is not run.
 2. the model: a candidate whose predicted step is more than PRUNE_MARGIN times the best prediction.
 
-The prediction (DP_MODEL, printed by every report) takes comm/model.py's ``predict`` row for the
-candidate's compressor on N ranks of one link (``Topology(N nodes x 1)``: every rank behind the
-link), then prices the bucket size with the same model's ``collective_time``: one collective's
+The prediction (DP_MODEL, or dp_model's with the user's fit, printed by every report) takes
+comm/model.py's ``predict`` row for the candidate's compressor on N ranks of one link
+(``Topology(N nodes x 1)``: every rank behind the link; dp_link: a loopback shaped to ``--link``,
+the all_reduce fit of the user's comm-bench JSON from ``--fit-json``, or plain loopback as
+comm-bench fitted it here), then prices the bucket size with the same model's ``collective_time``: one collective's
 latency per extra bucket, and at least the last bucket exposed after backward. 1-bit Adam is
 priced as its warm-up share (ONEBIT_WARMUP_SHARE, steps at the uncompressed cost) plus the rest at
 its compressed cost.
@@ -28,17 +30,20 @@ its compressed cost.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from ..comm.config import DataParallelConfig
-from ..comm.model import BACKWARD_SHARE, LINKS, Fit, Link, Topology, collective_time, exposed_seconds, link_from_fit, predict
+from ..comm.model import (BACKWARD_SHARE, LINKS, Fit, Link, Topology, collective_time, exposed_seconds, fit_alpha_beta,
+                          link_from_fit, predict)
 from ..errors import ConfigError, check_number
 from .space import DEFAULT_BUCKET_MB, Candidate
 
-__all__ = ["DpFacts", "dp_link", "gradient_bytes", "price", "prune_dp", "compute_per_rank", "threads_per_rank",
-           "PRUNE_MARGIN", "ONEBIT_WARMUP_SHARE", "ONEBIT_MIN_WARMUP", "LOOPBACK_FIT", "DP_MODEL"]
+__all__ = ["DpFacts", "dp_link", "load_link_fit", "dp_model", "gradient_bytes", "price", "prune_dp", "compute_per_rank",
+           "threads_per_rank", "PRUNE_MARGIN", "ONEBIT_WARMUP_SHARE", "ONEBIT_MIN_WARMUP", "LOOPBACK_FIT", "DP_MODEL"]
 
 #: A candidate predicted this many times slower than the best prediction is pruned. Why 1.5: the
 #: loopback fit below is off by 31% at its median point and 93% at its worst, and on a CPU the
@@ -56,29 +61,43 @@ ONEBIT_WARMUP_SHARE = 0.2
 ONEBIT_MIN_WARMUP = 7
 #: comm-bench's fit of 2 gloo ranks all-reducing on this project's 2-core VM over plain loopback
 #: (docs/comm-plan.md, 2026-12-03: alpha 267 us, 1/beta 1.034 GB/s of buffer, errors 31% median,
-#: 93% max): the link of a tune without --link, as comm-plan's --fit-json would read it.
+#: 93% max): the link of a tune without --link or --fit-json, as comm-plan's fit would read it.
 LOOPBACK_FIT = Fit("all_reduce", 2, 267.0e-6, 1 / 1.034e9, 7, 0.313, 0.931)
-_LOOPBACK_RANKS = LOOPBACK_FIT.world
 #: What a shaped loopback's TCP reaches of its rate: comm-plan's preset for TCP on a 10 GbE line.
 _TCP = LINKS["10gbe"]
 _COMPRESSOR_ROW = {None: ("ring", "none"), "bf16": ("ring", "bf16"), "fp16": ("ring", "bf16"),
                    "onebit": ("all_to_all+all_gather", "onebit")}
 _TWO_BYTE = ("bf16", "fp16")
 
-DP_MODEL = (
-    "Data-parallel model (seconds per optimizer step per rank; it prunes, it is not reported as a speed): "
-    "comm/model.py's alpha-beta rows (turbotrain comm-plan) for the candidate's compressor on N ranks behind one "
-    "link: ring all-reduce of the gradient (none; bf16 and fp16 at 2 bytes a parameter plus a cast), PowerSGD's "
-    "two all-reduces of rank-4 factors, 1-bit Adam's all_to_all and all_gather of signs; compressor work at the "
-    "measured copy bandwidth. Each extra DDP bucket adds one collective's latency (two for PowerSGD); the exchange "
-    f"overlaps backward ({BACKWARD_SHARE:.2f} of the compute) but the last bucket's is always exposed; 1-bit Adam is "
-    f"not overlapped and runs its warm-up ({ONEBIT_WARMUP_SHARE:.0%} of training) at the uncompressed cost. Compute: "
-    "the compute winner's measured step, scaled from the threads it ran with to a rank's (ranks x threads share the "
-    "cores). Link: --link RATE as a loopback shaped to RATE shared by the N ranks (TCP efficiency of comm-plan's "
-    "10gbe preset, the loopback's per-hop latency); without --link the comm-bench fit of 2 gloo ranks on plain "
-    "loopback in docs/comm-plan.md, its bandwidth shared by N/2 as many ranks. Pruned: a prediction over "
-    f"{PRUNE_MARGIN}x the best."
-)
+
+def _model_text(link: str) -> str:
+    """The model as every report prints it, ``link`` saying which link it priced."""
+    return (
+        "Data-parallel model (seconds per optimizer step per rank; it prunes, it is not reported as a speed): "
+        "comm/model.py's alpha-beta rows (turbotrain comm-plan) for the candidate's compressor on N ranks behind one "
+        "link: ring all-reduce of the gradient (none; bf16 and fp16 at 2 bytes a parameter plus a cast), PowerSGD's "
+        "two all-reduces of rank-4 factors, 1-bit Adam's all_to_all and all_gather of signs; compressor work at the "
+        "measured copy bandwidth. Each extra DDP bucket adds one collective's latency (two for PowerSGD); the "
+        f"exchange overlaps backward ({BACKWARD_SHARE:.2f} of the compute) but the last bucket's is always exposed; "
+        f"1-bit Adam is not overlapped and runs its warm-up ({ONEBIT_WARMUP_SHARE:.0%} of training) at the "
+        "uncompressed cost. Compute: the compute winner's measured step, scaled from the threads it ran with to a "
+        f"rank's (ranks x threads share the cores). Link: {link}. Pruned: a prediction over {PRUNE_MARGIN}x the best."
+    )
+
+
+DP_MODEL = _model_text(
+    "--link RATE as a loopback shaped to RATE shared by the N ranks (TCP efficiency of comm-plan's 10gbe preset, "
+    "the loopback's per-hop latency); without --link (or --fit-json) the comm-bench fit of 2 gloo ranks on plain "
+    "loopback in docs/comm-plan.md, its bandwidth shared by N/2 as many ranks")
+
+
+def dp_model(fit: Fit | None = None, source: str | None = None) -> str:
+    """DP_MODEL, its link told as the user's comm-bench fit (``--fit-json``) when ``fit`` is given;
+    ``source`` names the file it came from."""
+    if fit is None:
+        return DP_MODEL
+    return _model_text(f"the user's comm-bench fit in {source} (--fit-json), not the built-in loopback fit: "
+                       f"{fit.describe()}; its bandwidth shared by N/{fit.world} as many ranks")
 
 
 @dataclass(frozen=True)
@@ -130,24 +149,60 @@ def compute_per_rank(step_s: float, threads: int, world: int, cores: int | None 
     return step_s * threads / rank_threads * max(1.0, world * rank_threads / cores)
 
 
-def dp_link(world: int, rate: str | None = None) -> Link:
-    """The link the ranks share: a loopback shaped to ``rate`` (a tc rate such as '1gbit') or, without
-    one, plain loopback as comm-bench measured it (LOOPBACK_FIT).
+def load_link_fit(path, world: int) -> Fit:
+    """The all_reduce fit in comm-bench JSON ``path`` (what ``turbotrain comm-bench --out`` writes) that a
+    run of ``world`` ranks is priced with: the fit at ``world`` ranks, else the largest world fitted
+    (dp_link shares its bandwidth). ConfigError naming the file and the fix for anything else."""
+    check_number("world", world, integer=True, minimum=2)
+    remedy = f"write one with `turbotrain comm-bench --nproc {world} --ops all_reduce --out FILE`"
+    try:
+        with open(path) as f:
+            rows = json.load(f)
+    except OSError as exc:
+        raise ConfigError(f"comm-bench JSON {path} cannot be read ({exc.strerror or exc}); {remedy}") from exc
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path} is not comm-bench JSON ({exc}); {remedy}") from exc
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        raise ConfigError(f"{path} is not comm-bench JSON (comm-bench writes a list of row objects); {remedy}")
+    try:
+        fits = fit_alpha_beta(rows)
+    except (ValueError, TypeError) as exc:  # a ConfigError names the row; int()/float() of a non-number
+        raise ConfigError(f"{path} is not comm-bench JSON: {exc}; {remedy}") from exc
+    # one rank all-reduces with nobody: no hop and no link to read (link_from_fit divides by 2(n-1))
+    reduce = [f for (op, n), f in fits.items() if op == "all_reduce" and n >= 2]
+    if not reduce:
+        raise ConfigError(f"{path} has no all_reduce rows with two or more sizes (on two or more ranks) to fit a "
+                          f"link from; {remedy}")
+    fit = next((f for f in reduce if f.world == world), None) or max(reduce, key=lambda f: f.world)
+    if fit.beta_s_per_byte <= 0:
+        raise ConfigError(f"{path}'s all_reduce times on {fit.world} ranks do not grow with size, so they give no "
+                          "bandwidth; measure up to larger buffers (comm-bench --max-bytes 16M or more)")
+    return fit
 
-    All N ranks of a shaped loopback send through its one egress, so each gets rate / N; plain
-    loopback's fitted bandwidth is taken to divide the same way beyond the 2 ranks it was fitted on.
+
+def dp_link(world: int, rate: str | None = None, fit: Fit | None = None, source: str | None = None) -> Link:
+    """The link the ranks share: a loopback shaped to ``rate`` (a tc rate such as '1gbit') or, without
+    one, the all_reduce ``fit`` of the user's comm-bench JSON ``source`` (load_link_fit), else plain
+    loopback as comm-bench measured it here (LOOPBACK_FIT).
+
+    All N ranks of a shaped loopback send through its one egress, so each gets rate / N; a fitted
+    link's bandwidth is taken to divide the same way beyond the ranks it was fitted on.
     """
     from ..bench.dp_ladder import parse_rate
 
     check_number("world", world, integer=True, minimum=2)
-    loopback = link_from_fit(LOOPBACK_FIT, Link("plain loopback (gloo, comm-bench fit)", 0.0, 1.0, 0.0, "ethernet"))
+    if rate is not None and fit is not None:
+        raise ConfigError(f"--link {rate} and --fit-json {source} both set the data-parallel link; choose one")
+    where = "plain loopback" if fit is None else f"the link fitted in {Path(source or 'comm-bench JSON').name}"
+    fit = fit or LOOPBACK_FIT
+    fitted = link_from_fit(fit, Link(f"{where} (comm-bench fit)", 0.0, 1.0, 0.0, "ethernet"))
     if rate is None:
-        share = _LOOPBACK_RANKS / world
-        return Link(f"plain loopback shared by {world} ranks (comm-bench fit of {_LOOPBACK_RANKS})",
-                    loopback.gbps * share, 1.0, loopback.alpha_s, "ethernet")
+        share = fit.world / world
+        return Link(f"{where} shared by {world} ranks (comm-bench fit of {fit.world})", fitted.gbps * share, 1.0,
+                    fitted.alpha_s, "ethernet")
     gbps = parse_rate(rate) / 1e9
     return Link(f"loopback shaped to {rate} shared by {world} ranks", gbps / world, _TCP.efficiency,
-                loopback.alpha_s, "ethernet")
+                fitted.alpha_s, "ethernet")
 
 
 def _model_row(c: Candidate, facts: DpFacts, link: Link) -> dict:

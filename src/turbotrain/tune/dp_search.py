@@ -40,7 +40,8 @@ from pathlib import Path
 from ..errors import ConfigError
 from ..bench.configs import LOSS_TOLERANCE
 from ..bench.stats import bootstrap_ratio_ci, relative_change, speed_ratio
-from .dp_prune import (DP_MODEL, PRUNE_MARGIN, DpFacts, compute_per_rank, dp_link, prune_dp, threads_per_rank)
+from .dp_prune import (PRUNE_MARGIN, DpFacts, compute_per_rank, dp_link, dp_model, load_link_fit, prune_dp,
+                       threads_per_rank)
 from .space import Candidate, enumerate_dp_space
 
 __all__ = ["DpStage", "run_dp_stage", "check_dp_settings", "choose_dp", "record_dp", "onebit_problem",
@@ -80,16 +81,29 @@ class DpStage:
     """tune.json's ``data_parallel`` key: the settings, link and model it ran under."""
 
 
-def check_dp_settings(world_size: int, link: str | None, workload_spec: dict | None = None) -> None:
+def check_dp_settings(world_size: int, link: str | None, workload_spec: dict | None = None,
+                      fit_json: str | None = None) -> None:
     """ConfigError (or the ladder's HardwareError) for data-parallel settings that cannot run here,
-    before any budget is spent: --link without ranks, a bad rate, a link this machine cannot shape,
-    a workload the jobs cannot load by name."""
+    before any budget is spent: --link or --fit-json without ranks, both at once, a bad rate, a link
+    this machine cannot shape, a comm-bench file no link can be fitted from, a workload the jobs
+    cannot load by name."""
     if workload_spec is not None and "payload" in workload_spec:
         raise ConfigError("the data-parallel stage trains a named workload in torchrun jobs; the Python "
                           "turbotrain.tune(...) tunes one process (use `turbotrain tune --workload NAME --nproc N`)")
     if link is not None and world_size < 2:
         raise ConfigError(f"--link {link} shapes the link of a data-parallel run; give --nproc N (N >= 2) with it, "
                           "or drop --link")
+    if fit_json is not None and world_size < 2:
+        raise ConfigError(f"--fit-json {fit_json} prices the link of a data-parallel run; give --nproc N (N >= 2) "
+                          "with it, or drop --fit-json")
+    if fit_json is not None and link is not None:
+        raise ConfigError(f"--link {link} and --fit-json {fit_json} both set the data-parallel link (a loopback shaped "
+                          "to a rate, or the link your comm-bench measured); choose one")
+    if fit_json is not None:
+        try:
+            load_link_fit(fit_json, world_size)
+        except ConfigError as exc:
+            raise ConfigError(f"--fit-json: {exc}") from exc
     if link is not None:
         from ..bench.dp_ladder import check_link
 
@@ -246,15 +260,16 @@ def _fit_two_rounds(survivors: list[Candidate], queue: list[Candidate], left_s: 
 
 def run_dp_stage(recipe: Candidate, workload, workload_spec: dict, *, params: int, world: int, link: str | None,
                  steps: int, warmup: int, seed: int, val_batches: int, bandwidth: float, threads: int,
-                 end: float, say=None) -> DpStage:
+                 end: float, say=None, fit_json: str | None = None) -> DpStage:
     """Search compression x bucket size for ``recipe`` (a measured single-process candidate) on
     ``world`` ranks until ``end`` (time.monotonic()); returns the candidates, the winner and the
-    report section. ``threads``: the threads ``recipe`` was measured with."""
+    report section. ``threads``: the threads ``recipe`` was measured with; ``fit_json``: comm-bench
+    JSON whose all_reduce fit prices the link (``--fit-json``) in place of plain loopback's."""
     from ..bench.dp_ladder import FLOOR_RATE, namespace_problem
 
     say = say or logger.info
     started = time.monotonic()
-    check_dp_settings(world, None, workload_spec)
+    check_dp_settings(world, None, workload_spec, fit_json=fit_json)
     step_s = recipe.measured.get("step_seconds")
     if not step_s:
         raise ConfigError(f"the data-parallel stage needs the compute recipe's measured step; {recipe.name} has none")
@@ -263,7 +278,10 @@ def run_dp_stage(recipe: Candidate, workload, workload_spec: dict, *, params: in
     facts = DpFacts(params=params, precision=recipe.precision, world=world,
                     compute_s=compute_per_rank(step_s, threads, world), bandwidth=bandwidth,
                     onebit_problem=onebit_problem(workload), comm_warmup=comm_warmup)
-    model_link = dp_link(world, link)
+    fit = load_link_fit(fit_json, world) if fit_json is not None else None
+    model_link = dp_link(world, link, fit, fit_json)
+    if fit is not None:
+        say(f"data-parallel link from your comm-bench fit in {fit_json}: {fit.describe()}")
     candidates = enumerate_dp_space(recipe)
     survivors = prune_dp(candidates, facts, model_link)
     say(f"data parallel: {world} ranks x {rank_threads} thread(s) on {model_link.name}; {len(candidates)} candidates, "
@@ -285,8 +303,10 @@ def run_dp_stage(recipe: Candidate, workload, workload_spec: dict, *, params: in
     winner = choose_dp(candidates)
     rounds = max((len(r) for r in runs.values()), default=0)
     section = {
-        "nproc": world, "link": link or "loopback", "threads_per_rank": rank_threads,
-        "link_model": asdict(model_link), "model": DP_MODEL, "prune_margin": PRUNE_MARGIN,
+        "nproc": world, "link": link or (f"loopback, priced by the fit in {fit_json}" if fit else "loopback"),
+        "threads_per_rank": rank_threads, "link_model": asdict(model_link),
+        "link_fit": None if fit is None else {"file": str(fit_json), **asdict(fit), "description": fit.describe()},
+        "model": dp_model(fit, fit_json), "prune_margin": PRUNE_MARGIN,
         "compute_recipe": recipe.name, "compute_s_per_rank": facts.compute_s,
         "compute_from": f"{recipe.name}'s measured {step_s:.3f} s/step on {threads} thread(s)",
         "onebit_problem": facts.onebit_problem, "steps_per_job": steps, "warmup": comm_warmup + 1,

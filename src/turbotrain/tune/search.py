@@ -89,6 +89,10 @@ class TuneSettings:
     link: str | None = None
     """tc rate (e.g. '1gbit') the data-parallel jobs' loopback is shaped to (``--link``); None: plain
     loopback. Needs world_size > 1, root and network namespaces."""
+    fit_json: str | None = None
+    """comm-bench JSON (``turbotrain comm-bench --out``) whose all_reduce fit prices the data-parallel
+    candidates' link (``--fit-json``) in place of the built-in loopback fit; the jobs still run on
+    plain loopback. Needs world_size > 1; not with ``link``."""
     max_candidates: int | None = None
     """Measure at most this many candidates besides the baseline (None: as many as the budget allows)."""
 
@@ -108,6 +112,9 @@ class TuneSettings:
                 raise ConfigError(f"link={self.link!r} shapes the link of a data-parallel run; it needs world_size "
                                   "(--nproc) of 2 or more, or no link")
             parse_rate(self.link)
+        if self.fit_json is not None and self.world_size < 2:
+            raise ConfigError(f"fit_json={self.fit_json!r} prices the link of a data-parallel run; it needs "
+                              "world_size (--nproc) of 2 or more, or no fit_json")
 
 
 @dataclass
@@ -350,7 +357,7 @@ def run_tune(workload, settings: TuneSettings, out_dir, *, workload_spec: dict, 
     out_dir = check_output_dir(out_dir)
     data_parallel = settings.world_size > 1
     if data_parallel:  # refused before any of the budget is spent
-        check_dp_settings(settings.world_size, settings.link, workload_spec)
+        check_dp_settings(settings.world_size, settings.link, workload_spec, fit_json=settings.fit_json)
     # the single-process search's share: with data parallelism the rest is the dp stage's
     budget = settings.budget_s * (1 - DP_BUDGET_SHARE if data_parallel else 1)
     end = started + budget
@@ -401,7 +408,8 @@ def run_tune(workload, settings: TuneSettings, out_dir, *, workload_spec: dict, 
         dp = run_dp_stage(winner, workload, workload_spec, params=facts.params, world=settings.world_size,
                           link=settings.link, steps=settings.steps, warmup=settings.warmup, seed=settings.seed,
                           val_batches=settings.val_batches, bandwidth=bandwidth, threads=torch.get_num_threads(),
-                          end=started + settings.budget_s - max(3.0, 0.03 * settings.budget_s), say=say)
+                          end=started + settings.budget_s - max(3.0, 0.03 * settings.budget_s), say=say,
+                          fit_json=settings.fit_json)
     chosen = dp.winner if dp is not None else winner
     doc = build_document(space, chosen, facts, info, peaks, bandwidth, settings, workload, per_round,
                          time.monotonic() - started, dp=dp, compute_winner=winner)
