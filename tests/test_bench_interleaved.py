@@ -21,6 +21,7 @@ from turbotrain.bench.runner import QUICK_OVERRIDES, LadderSettings, choose_refe
 from turbotrain.bench.stats import bootstrap_ratio_ci, round_times, speed_ratio
 from turbotrain.bench.worker import WorkerSpec
 from turbotrain.hardware import detect
+from turbotrain.workloads import get_workload
 
 ROW_KEYS = {"workload", "config", "metric", "unit", "median", "p20", "p80", "device", "versions", "timestamp",
             "ratio_vs_ref", "ratio_ci95", "rounds", "status"}
@@ -410,6 +411,12 @@ def test_quick_results_schema(quick_run):
         assert len(detail["losses"]) == run["warmup"] + run["steps"]
         assert by[(config, "step_time")]["ratio_vs_ref"] > 0 and len(by[(config, "step_time")]["ratio_ci95"]) == 2
         assert detail["loss_check"]["passed"] is True
+        # a CPU row's tensor peak: at least the weights, gradients and AdamW moments (16 bytes a
+        # parameter in fp32), and below the resident memory, which holds them too
+        params = sum(p.numel() for p in get_workload("gpt", **QUICK_OVERRIDES["gpt"]).build_model().parameters())
+        assert 16 * params <= detail["tensor_peak_bytes"] < detail["peak_memory_bytes"]
+        assert by[(config, "tensor_peak")]["median"] == detail["tensor_peak_bytes"]
+    assert "max_memory_allocated" in header["tensor_memory_method"]
     assert by[("fp32-eager", "throughput")]["ratio_vs_ref"] == pytest.approx(1.0)
     assert by[("fp32-eager", "throughput")]["ratio_ci95"] == pytest.approx([1.0, 1.0])
     # the A/A twin is the same config in another process: the same seed, batches and kernels

@@ -50,6 +50,8 @@ def config_metrics(header: dict, result: dict, baseline: dict | None) -> dict[st
         "achieved_flops": _metric("FLOP/s", *_inverse(flops, times, achieved_flops)),
         "peak_memory": _metric("bytes", result["peak_memory_bytes"]),
     }
+    if result.get("tensor_peak_bytes") is not None:  # CPU rows: tensors only, as CUDA's peak_memory
+        out["tensor_peak"] = _metric("bytes", result["tensor_peak_bytes"])
     if result.get("ops_per_step") is not None:
         out["ops_per_step"] = _metric("aten ops", result["ops_per_step"])
     references = [("mfu", result["compute_dtype"])]
@@ -269,7 +271,7 @@ def table_cells(name: str, config: dict, unit: str) -> list[str]:
         fmt("throughput", "{:,.0f} " + unit + "/s"),
         f"{ratio:.2f}x ({ci[0]:.2f}-{ci[1]:.2f})" if ratio is not None else "—",
         fmt("speedup", "{:.2f}x"),
-        fmt("peak_memory", "{:,.0f} MiB", 2**-20),
+        fmt("peak_memory", "{:,.0f} MiB", 2**-20) + fmt("tensor_peak", " (tensors {:,.0f})", 2**-20).replace(" —", ""),
         fmt("mfu", "{:.1f}% " + config["compute_dtype"], 100),
         fmt("mfu_bf16", "{:.1f}%", 100),
         fmt("ops_per_step", "{:,.0f}"),

@@ -21,7 +21,7 @@ from .interleave import run_interleaved, split_steps
 from .peak import matmul_peaks
 from .report import ratio_to_reference, train_loss_window
 from .stats import BOOTSTRAP_RESAMPLES, slow_dtypes
-from .worker import CPU_MEMORY_METHOD, CUDA_MEMORY_METHOD, WorkerSpec, fixed_batches, load_workload
+from .worker import CPU_MEMORY_METHOD, CPU_TENSOR_METHOD, CUDA_MEMORY_METHOD, WorkerSpec, fixed_batches, load_workload
 
 __all__ = ["LadderSettings", "run_ladder", "plan_rows", "choose_reference", "slow_dtypes", "BASELINE", "REFERENCE",
            "QUICK_OVERRIDES", "QUICK_CONFIGS", "DEFAULT_STEPS", "DEFAULT_WARMUP", "DEFAULT_ROUNDS", "QUICK_STEPS",
@@ -231,6 +231,7 @@ def run_ladder(settings: LadderSettings, out_dir: str | Path, console=None) -> d
         "mfu_conventions": MFU_CONVENTIONS + env["matmul_peak_method"],
         "measurement": MEASUREMENT,
         "memory_method": CUDA_MEMORY_METHOD if device == "cuda" else CPU_MEMORY_METHOD,
+        "tensor_memory_method": None if device == "cuda" else CPU_TENSOR_METHOD,
         "train_loss": f"mean of the last {train_loss_window(sum(per_round))} measured steps' losses",
         "notes": notes,
     }

@@ -39,6 +39,12 @@ just before the model was built: weights, gradients, optimizer state, activation
 allocator keeps cached, torch's one-time lazy initialisation on the first step, and for compiled
 rows the compiler's own memory. File-backed pages are left out because touching libtorch's code
 pages would otherwise count as training memory. Peaks shorter than 5 ms can be missed.
+
+Because that figure includes what glibc keeps after a free and what the compiler holds (a compiled
+HF Llama row kept ~1.3 GB of resident memory after its first step with the same 310 MB of live
+tensors as the peer), CPU rows also report ``tensor_peak_bytes``, what CUDA's figure measures:
+the tensors alive between steps plus the most one more step (after the val loss) allocates above
+them, from torch.profiler's allocation events (memory.measure.step_tensor_peak).
 """
 
 from __future__ import annotations
@@ -56,13 +62,16 @@ from pathlib import Path
 import torch
 
 from ..errors import ConfigError
+from ..memory.measure import live_tensor_bytes, step_tensor_peak
 from ..profile.counting import OpCounter
 from ..utils import atomic_write, sync_device
 
-__all__ = ["WorkerSpec", "RowSession", "serve", "load_workload", "fixed_batches", "RssSampler", "CPU_MEMORY_METHOD",
+__all__ = ["WorkerSpec", "RowSession", "serve", "load_workload", "fixed_batches", "RssSampler", "CPU_MEMORY_METHOD", "CPU_TENSOR_METHOD",
            "CUDA_MEMORY_METHOD", "error_result", "write_result", "load_payload"]
 
 CPU_MEMORY_METHOD = "peak anonymous RSS of the worker above its value before the model was built (5 ms sampling)"
+CPU_TENSOR_METHOD = ("tensors alive between steps above those before the model was built (gc scan) plus the most one "
+                     "more step allocates above them (torch.profiler memory events): the CPU's max_memory_allocated")
 CUDA_MEMORY_METHOD = "torch.cuda.max_memory_allocated() during build, warm-up and measured steps"
 
 
@@ -226,6 +235,7 @@ class RowSession:
             torch.cuda.reset_peak_memory_stats()
             self.base_cuda = torch.cuda.memory_allocated()
         self.rss = RssSampler().__enter__()
+        self.tensor_baseline = None if self.cuda else live_tensor_bytes()  # the workload's data, not the row's
         torch.manual_seed(spec.seed)  # same initial weights (and any RNG the step draws) in every row
         t0 = time.perf_counter()
         self.trainer = build(self.workload, spec.device)
@@ -263,10 +273,20 @@ class RowSession:
         spec = self.spec
         peak = torch.cuda.max_memory_allocated() - self.base_cuda if self.cuda else self.rss.peak - self.rss.baseline
         val_loss = self.val_loss if self.val_loss is not None else self.val()["val_loss"]
+        tensor_peak = None if self.cuda else self._tensor_peak()
         counted = spec.count_ops and not getattr(self.trainer, "compiled", False)
         op_count = count_step_ops(self.trainer, next(self.stream)) if counted else None
         return {"val_loss": val_loss, "ops_per_step": op_count, "peak_memory_bytes": peak,
-                "rss_baseline_bytes": self.rss.baseline, "rss_peak_bytes": self.rss.peak}
+                "tensor_peak_bytes": tensor_peak, "rss_baseline_bytes": self.rss.baseline,
+                "rss_peak_bytes": self.rss.peak}
+
+    def _tensor_peak(self) -> int:
+        """CPU: the tensors alive between steps (above those the workload held before the model was
+        built) plus the most one more step allocates on top of them (memory.measure); after the val
+        loss, so that loss is the one of the measured steps."""
+        batch = next(self.stream)
+        held = live_tensor_bytes() - self.tensor_baseline
+        return held + step_tensor_peak(lambda: self.trainer.step(batch))
 
 
 def serve(spec: WorkerSpec, commands, replies) -> int:

@@ -15,6 +15,12 @@ Two measures, for two purposes:
 Both are device-independent (no allocator statistics), so they work on CPU and give the same
 figure on GPU. ``saved_activation_bytes`` keeps every forward intermediate alive until it has
 counted, so it needs up to twice the step's activation memory: use it on probe-sized batches.
+
+A third, ``live_tensor_bytes`` + ``step_tensor_peak``, is the CPU's answer to
+``torch.cuda.max_memory_allocated()``: the tensors alive before a step plus the highest the
+step's own allocations climb above them, read from torch.profiler's allocation events. Unlike a
+process's resident memory it leaves out what the allocator keeps after a free and what the
+compiler holds, so it measures the training technique rather than the process around it.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["saved_activation_bytes", "saved_tensor_bytes"]
+__all__ = ["saved_activation_bytes", "saved_tensor_bytes", "live_tensor_bytes", "step_tensor_peak"]
 
 
 def _tensors(tree):
@@ -119,3 +125,46 @@ def saved_tensor_bytes(model: nn.Module, loss_fn, batch) -> int:
         loss = loss_fn(out, targets) if targets is not None else loss_fn(out)
     del out, loss
     return sum(saved.values())
+
+
+_PLAIN = (torch.Tensor, nn.Parameter)
+
+
+def live_tensor_bytes(device: str = "cpu") -> int:
+    """Bytes of the distinct storages on ``device`` that live Python tensors hold (a gc scan).
+
+    Tensors only C++ holds (an autograd graph between forward and backward, a DDP bucket) are not
+    seen, so take it between steps, where the model, its gradients and the optimizer state are all
+    reachable from Python.
+    """
+    import gc
+
+    storages = {}
+    for obj in gc.get_objects():
+        # plain tensors and parameters only: a subclass either wraps plain tensors the scan finds
+        # anyway (DTensor's local shard) or has no real storage (the compiler's FakeTensors)
+        if type(obj) in _PLAIN and obj.device.type == device and obj.layout == torch.strided:
+            storage = obj.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def step_tensor_peak(run) -> int:
+    """The highest the bytes of CPU tensors allocated (net of their frees) by ``run()`` climb.
+
+    Read from torch.profiler's memory events, so it sees every allocation of the CPU allocator,
+    inside compiled code too. A tensor allocated before ``run`` and freed inside it is not
+    subtracted (the profiler never saw its size), so the figure can only err upwards.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    cpu = torch._C._autograd.DeviceType.CPU
+    deltas = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]" and e.device_type() == cpu)
+    level = peak = 0
+    for _, delta in deltas:
+        level += delta
+        peak = max(peak, level)
+    return peak
