@@ -281,6 +281,18 @@ def test_with_fusion_the_users_optimizer_is_stepped_and_lr_zero_freezes_the_mode
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
+def test_the_fusion_summary_counts_the_fused_loss_head():
+    """The head is fused outside the rewrite; the counts line used to say '0 fused' above its row."""
+    work, data = _gpt()
+    model = work.build_model()
+    engine = Engine(model, torch.optim.AdamW(model.parameters()), work.loss_fn,
+                    config=Config(device="cpu", fuse=("linear_cross_entropy",)))
+    engine.step(data[0])
+    text = engine._transform("fusion").describe()
+    assert text.startswith("fusion: 1 fused, 0 rolled back"), text
+    assert [line.split()[1:3] for line in text.splitlines()[2:]] == [["linear_cross_entropy", "fused"]]
+
+
 @pytest.mark.parametrize("first, second", [(("qkv", "linear_cross_entropy"), False),
                                            (False, ("qkv", "linear_cross_entropy"))])
 def test_a_fused_run_resumes_unfused_and_back_with_the_same_losses(tmp_path, first, second):

@@ -188,6 +188,22 @@ def _metric_chart(ax, results: dict, metric: str, scale: float, ylabel: str):
         _reference_line(ax, rows[reference]["metrics"][metric]["median"] / scale, reference)
 
 
+def _tensor_overlay(ax, results: dict):
+    """CPU rows: their tensor peak drawn inside the RSS bar (hatched), labelled in the legend."""
+    rows = {n: c for n, c in _measured(results).items() if "peak_memory" in c["metrics"]}
+    tensors = [(i, c["metrics"]["tensor_peak"]["median"] / 2**20) for i, c in enumerate(rows.values())
+               if "tensor_peak" in c["metrics"]]
+    if not tensors:
+        return
+    for i, value in tensors:
+        ax.bar(i, value, width=0.5, fill=False, hatch="//", edgecolor="black", lw=0.6)
+    from matplotlib.patches import Patch
+
+    handles = list(ax.get_legend().legend_handles)  # _bars' group legend, plus this one
+    handles.append(Patch(fill=False, hatch="//", edgecolor="black", label="tensors (CPU: the rest is the process)"))
+    ax.legend(handles=handles, fontsize=7, loc="best")
+
+
 def _reference_line(ax, value: float, reference: str):
     ax.axhline(value, color="black", lw=1.2, ls="--")
     ax.annotate(f"reference: {reference}", xy=(0, value), xycoords=("axes fraction", "data"),
@@ -213,6 +229,7 @@ def _draw(kind: str, ax, results: dict):
         _ratio_chart(ax, results)
     elif kind == "memory":
         _metric_chart(ax, results, "peak_memory", 2**20, "peak memory (MiB)")
+        _tensor_overlay(ax, results)
     else:
         warmup = results["header"]["run"]["warmup"]
         for name, c in _measured(results).items():

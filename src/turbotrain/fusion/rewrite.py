@@ -100,9 +100,10 @@ class FusionReport:
         out.extend((s.path, s.pattern, "excluded", "by filter_fn") for s in self.excluded)
         return out
 
-    def summary(self) -> str:
-        return (f"{len(self.fused)} fused, {len(self.rolled_back)} rolled back, {len(self.excluded)} excluded; "
-                f"sites found by {self.found_by}")
+    def summary(self, more_fused: int = 0, more_rolled_back: int = 0) -> str:
+        """The counts line; ``more_*``: sites fused or rolled back outside this rewrite (the loss head)."""
+        return (f"{len(self.fused) + more_fused} fused, {len(self.rolled_back) + more_rolled_back} rolled back, "
+                f"{len(self.excluded)} excluded; sites found by {self.found_by}")
 
     def __rich__(self):
         from rich.table import Table
@@ -115,9 +116,15 @@ class FusionReport:
         return table
 
     def __str__(self) -> str:
-        rows = [("site", "pattern", "result", "detail")] + self.rows()
+        return self.format()
+
+    def format(self, extra_rows: tuple = ()) -> str:
+        """The report as text; ``extra_rows``: (site, pattern, result, detail) of sites fused outside
+        this rewrite (the loss head), listed and counted with the others."""
+        results = [r[2] for r in extra_rows]
+        rows = [("site", "pattern", "result", "detail")] + self.rows() + list(extra_rows)
         widths = [max(len(r[i]) for r in rows) for i in range(3)]
-        lines = [f"fusion: {self.summary()}"]
+        lines = [f"fusion: {self.summary(results.count('fused'), results.count('rolled back'))}"]
         lines += ["  ".join(c.ljust(w) for c, w in zip(r[:3], widths)) + "  " + r[3] for r in rows]
         return "\n".join(lines)
 

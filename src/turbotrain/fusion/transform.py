@@ -53,10 +53,10 @@ class FusionTransform(Transform):
     def describe(self) -> str:
         if self.report is None:
             return "fusion (not applied yet: it is applied at the first step, from that batch)"
-        lines = [str(self.report)]
+        extra = ()
         if self.loss_head is not None:
             lh = self.loss_head
-            lines.append(f"  {lh.path}  linear_cross_entropy  " + (
-                f"fused ({'causal shift, ' if lh.shift else ''}loss rel err {lh.loss_rel_error:.1e}, "
-                f"head grad sqnr {lh.grad_sqnr_db:.1f} dB)" if lh.fused else f"rolled back: {lh.reason}"))
-        return "\n".join(lines)
+            detail = (f"{'causal shift, ' if lh.shift else ''}loss rel err {lh.loss_rel_error:.1e}, "
+                      f"head grad sqnr {lh.grad_sqnr_db:.1f} dB" if lh.fused else lh.reason)
+            extra = ((lh.path, "linear_cross_entropy", "fused" if lh.fused else "rolled back", detail),)
+        return self.report.format(extra)
