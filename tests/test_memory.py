@@ -190,3 +190,49 @@ def test_checkpointing_lowers_the_tensor_peak_of_a_training_step():
 
     step(plain), step(ckpt)  # lazy one-time allocations out of the way
     assert step_tensor_peak(lambda: step(ckpt)) < 0.7 * step_tensor_peak(lambda: step(plain))
+
+
+def test_checkpoint_every_second_block_keeps_about_half_and_the_same_gradients():
+    torch.manual_seed(0)
+    model = TinyGPT(layers=4)
+    batch = make_batch()
+    ref = grads_of(model, batch)
+    half = apply_checkpointing(copy.deepcopy(model), "blocks", every=2)
+    assert [path for path, _ in checkpointed_blocks(half)] == ["blocks.0", "blocks.2"]
+    got = grads_of(half, batch)
+    assert all(torch.allclose(got[n], ref[n], atol=1e-6) for n in ref)
+    none, all_ = saved_activation_bytes(model, loss_fn, batch), saved_activation_bytes(
+        apply_checkpointing(copy.deepcopy(model), "blocks"), loss_fn, batch)
+    halfway = saved_activation_bytes(half, loss_fn, batch)
+    assert all_ < halfway < none
+    # applying again with every=1 checkpoints the other blocks too; every=4 leaves only the first
+    assert len(checkpointed_blocks(apply_checkpointing(half, "blocks"))) == 4
+    assert [p for p, _ in checkpointed_blocks(apply_checkpointing(half, "blocks", every=4))] == ["blocks.0"]
+
+
+def test_checkpoint_every_needs_checkpoint_and_a_positive_integer():
+    from turbotrain import Config
+
+    with pytest.raises(ConfigError, match="set checkpoint='blocks'"):
+        Config(checkpoint_every=2)
+    with pytest.raises(ConfigError, match="checkpoint_every"):
+        Config(checkpoint="blocks", checkpoint_every=0)
+    assert Config.from_dict(Config(checkpoint="blocks", checkpoint_every=2).to_dict()).checkpoint_every == 2
+
+
+def test_engine_checkpoints_every_other_block_and_trains_the_same():
+    from turbotrain import Config, Engine
+    from turbotrain.workloads import get_workload
+
+    work = get_workload("gpt", d=32, n_layer=4, n_head=4, T=16, B=4, vocab_size=512)
+    stream = work.batches("train", seed=0)
+    data = [next(stream) for _ in range(3)]
+    losses = {}
+    for every in (None, 2):
+        torch.manual_seed(0)
+        model = work.build_model()
+        extra = {} if every is None else {"checkpoint": "blocks", "checkpoint_every": every}
+        engine = Engine(model, torch.optim.AdamW(model.parameters()), work.loss_fn, config=Config(device="cpu", **extra))
+        losses[every] = [float(engine.step(b).loss) for b in data]
+    assert "(every 2: 2 of 4 blocks)" in engine.describe()
+    assert losses[2] == pytest.approx(losses[None], rel=1e-5)

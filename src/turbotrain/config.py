@@ -60,6 +60,10 @@ class Config:
     """Sequence lengths batches are padded up to when compiling, so shapes stay few."""
     checkpoint: str | None = None
     """Activation checkpointing: None, 'blocks' (every block) or 'selective' (keep matmul outputs)."""
+    checkpoint_every: int = 1
+    """With ``checkpoint``: apply it to every Nth block only (blocks 0, N, 2N, ...; 1: all of them).
+    2 keeps about half the activations for about half the recomputation: a point between none
+    and all for a length where all blocks would cost more time than the memory is worth."""
     data_parallel: DataParallelConfig | bool | None = None
     """True or a DataParallelConfig to train data-parallel over torch.distributed."""
     parallel: ParallelConfig | bool | None = None
@@ -91,6 +95,11 @@ class Config:
         for name in ("keep_fp32_head", "compile", "nan_check", "sync_stats", "track_grad_norm"):
             check_bool(name, getattr(self, name))
         check_number("accumulate", self.accumulate, integer=True, minimum=1)
+        check_number("checkpoint_every", self.checkpoint_every, integer=True, minimum=1)
+        if self.checkpoint_every != 1 and self.checkpoint is None:
+            raise ConfigError(f"checkpoint_every={self.checkpoint_every} picks the blocks activation checkpointing "
+                              "applies to, and checkpoint is None; set checkpoint='blocks' (or 'selective') too, or "
+                              "drop checkpoint_every")
         if self.clip_grad_norm is not None:
             check_number("clip_grad_norm", self.clip_grad_norm, minimum=0, exclusive=True)
         if not isinstance(self.loss_scale, LossScaleConfig):

@@ -83,7 +83,7 @@ def build_transforms(config: Config, device: torch.device) -> list[Transform]:
     if config.checkpoint:
         from .memory.transform import CheckpointTransform
 
-        out.append(CheckpointTransform(config.checkpoint))
+        out.append(CheckpointTransform(config.checkpoint, config.checkpoint_every))
     out.append(Precision(config.precision, device, config.loss_scale, config.keep_fp32_head,
                          sharded=config.parallel is not None))
     if config.parallel is not None:

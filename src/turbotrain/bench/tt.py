@@ -97,7 +97,8 @@ LEVER_CONFIGS = {
                    "bf16-master + torch.compile (forward and loss one graph), no hand-fused ops"),
 }
 #: The row standing in for each low-precision row where its dtype is slower than fp32 (BenchConfig.fp32_twin).
-FP32_TWINS = {"tt-fused": "tt-fused-fp32", "tt-fused-compile": "tt-fused-compile-fp32"}
+FP32_TWINS = {"tt-fused": "tt-fused-fp32", "tt-fused-compile": "tt-fused-compile-fp32",
+              "tt-ckpt-half-fused-ce-compile": "tt-ckpt-half-fused-ce-compile-fp32"}
 
 #: Activation checkpointing rows (issue: memory): off the default ladder, they answer a question
 #: asked at long sequence lengths (`--set T=1024`), where activations dominate peak memory.
@@ -118,6 +119,15 @@ MEMORY_CONFIGS = {
     "tt-ckpt-blocks-fused-ce-compile-fp32": ({"precision": "fp32", "checkpoint": "blocks",
                                               "fuse": ("linear_cross_entropy",), "compile": True},
                                              "fp32 + block checkpointing + fused linear+cross-entropy + torch.compile"),
+    # every other block: about half the activations for about half the recomputation
+    "tt-ckpt-half-fused-ce-compile": ({"precision": "bf16-master", "checkpoint": "blocks", "checkpoint_every": 2,
+                                       "fuse": ("linear_cross_entropy",), "compile": True},
+                                      "bf16-master + checkpointing of every other block + fused linear+cross-entropy "
+                                      "+ torch.compile"),
+    "tt-ckpt-half-fused-ce-compile-fp32": ({"precision": "fp32", "checkpoint": "blocks", "checkpoint_every": 2,
+                                            "fuse": ("linear_cross_entropy",), "compile": True},
+                                           "fp32 + checkpointing of every other block + fused linear+cross-entropy "
+                                           "+ torch.compile"),
 }
 
 
@@ -144,4 +154,4 @@ for _name, (_settings, _description) in LEVER_CONFIGS.items():
 for _group, _configs in (("memory", MEMORY_CONFIGS), ("ablation", ABLATION_CONFIGS)):
     for _name, (_settings, _description) in _configs.items():
         register_config(_name, _description, _builder(_settings), default=False, group=_group,
-                        dtype=_compute_dtype(_settings["precision"]))
+                        dtype=_compute_dtype(_settings["precision"]), fp32_twin=FP32_TWINS.get(_name))

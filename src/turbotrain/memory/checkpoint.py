@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from ..errors import ConfigError, check_choice
+from ..errors import ConfigError, check_choice, check_number
 
 __all__ = [
     "apply_checkpointing",
@@ -183,11 +183,12 @@ def checkpointed_blocks(model: nn.Module) -> list[tuple[str, str]]:
             if getattr(type(m), "_turbotrain_checkpoint", None)]
 
 
-def apply_checkpointing(model: nn.Module, mode: str) -> nn.Module:
-    """Checkpoint every block of ``model`` in place and return it.
+def apply_checkpointing(model: nn.Module, mode: str, every: int = 1) -> nn.Module:
+    """Checkpoint every block (or every ``every``-th: blocks 0, every, 2 every, ...) of ``model`` in
+    place and return it.
 
     mode: 'blocks' (recompute each whole block in backward) or 'selective' (keep matmul and
-    attention outputs, recompute the rest). Applying again with another mode replaces the first.
+    attention outputs, recompute the rest). Applying again replaces the first application.
 
     >>> import torch
     >>> net = torch.nn.Sequential()
@@ -196,10 +197,11 @@ def apply_checkpointing(model: nn.Module, mode: str) -> nn.Module:
     True
     """
     check_choice("checkpoint mode", mode, CHECKPOINT_MODES)
+    check_number("every", every, integer=True, minimum=1)
     _, blocks = find_block_list(model)
-    for block in blocks:
+    for i, block in enumerate(blocks):
         base = getattr(type(block), "_turbotrain_original_class", type(block))
-        block.__class__ = _checkpointed_class(base, mode)
+        block.__class__ = _checkpointed_class(base, mode) if i % every == 0 else base
     return model
 
 
