@@ -261,6 +261,9 @@ def test_reports_without_matplotlib_say_so_once_and_keep_the_tables(tmp_path, mo
     for c in space[1:]:
         c.status, c.reason = "not reached", "the budget would be exceeded"
     doc = build_document(space, base, facts, _cpu("avx2"), PEAKS, 1e10, TuneSettings(budget_s=10), _Named(), [1], 1.0)
+    priced = TuneSettings(budget_s=10, world_size=2, fit_json="net.json")  # the link's source is on record
+    assert build_document(space, base, facts, _cpu("avx2"), PEAKS, 1e10, priced, _Named(), [1],
+                          1.0)["settings"]["fit_json"] == "net.json"
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with caplog.at_level("WARNING", logger="turbotrain"):
         paths = write_reports(doc, base, tmp_path)
