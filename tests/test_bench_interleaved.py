@@ -444,3 +444,16 @@ def test_the_tuned_row_is_compared_with_the_fastest_other_turbotrain_row():
     assert "0.750x" in note and note.endswith("slower")
     del configs["tt-tuned"]
     assert runner.tuned_row_notes({"configs": configs}) == []  # no tuned row: nothing to say
+
+
+def test_the_peak_memory_cell_adds_the_tensor_peak_only_where_there_is_one():
+    from turbotrain.bench.report import TABLE_COLUMNS, table_cells
+
+    def config(**memory):
+        metrics = {"step_time": {"median": 1.0, "p20": 0.9, "p80": 1.1}}
+        metrics.update({k: {"median": v} for k, v in memory.items()})
+        return {"status": "ok", "compute_dtype": "fp32", "metrics": metrics}
+
+    column = TABLE_COLUMNS.index("peak mem")
+    assert table_cells("cpu", config(peak_memory=3 * 2**20, tensor_peak=2**20), "tokens")[column] == "3 MiB (tensors 1)"
+    assert table_cells("cuda", config(peak_memory=3 * 2**20), "tokens")[column] == "3 MiB"  # no stray mark

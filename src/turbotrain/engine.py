@@ -459,8 +459,7 @@ class Engine:
         self.module.eval()
         total, count = 0.0, 0
         try:
-            with contextlib.ExitStack() as stack:
-                stack.enter_context(torch.no_grad())
+            with contextlib.ExitStack() as stack:  # no_grad: the method's decorator
                 for t in self.transforms:
                     stack.enter_context(t.eval_context())
                 for batch in batches:

@@ -288,7 +288,8 @@ def table_cells(name: str, config: dict, unit: str) -> list[str]:
         fmt("throughput", "{:,.0f} " + unit + "/s"),
         f"{ratio:.2f}x ({ci[0]:.2f}-{ci[1]:.2f})" if ratio is not None else "—",
         fmt("speedup", "{:.2f}x"),
-        fmt("peak_memory", "{:,.0f} MiB", 2**-20) + fmt("tensor_peak", " (tensors {:,.0f})", 2**-20).replace(" —", ""),
+        fmt("peak_memory", "{:,.0f} MiB", 2**-20) + (fmt("tensor_peak", " (tensors {:,.0f})", 2**-20)
+                                                      if "tensor_peak" in m else ""),
         fmt("mfu", "{:.1f}% " + config["compute_dtype"], 100),
         fmt("mfu_bf16", "{:.1f}%", 100),
         fmt("ops_per_step", "{:,.0f}"),

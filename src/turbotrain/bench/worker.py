@@ -66,8 +66,8 @@ from ..memory.measure import live_tensor_bytes, step_tensor_peak
 from ..profile.counting import OpCounter
 from ..utils import atomic_write, sync_device
 
-__all__ = ["WorkerSpec", "RowSession", "serve", "load_workload", "fixed_batches", "RssSampler", "CPU_MEMORY_METHOD", "CPU_TENSOR_METHOD",
-           "CUDA_MEMORY_METHOD", "error_result", "write_result", "load_payload"]
+__all__ = ["WorkerSpec", "RowSession", "serve", "load_workload", "fixed_batches", "RssSampler", "CPU_MEMORY_METHOD",
+           "CPU_TENSOR_METHOD", "CUDA_MEMORY_METHOD", "error_result", "write_result", "load_payload"]
 
 CPU_MEMORY_METHOD = "peak anonymous RSS of the worker above its value before the model was built (5 ms sampling)"
 CPU_TENSOR_METHOD = ("tensors alive between steps above those before the model was built (gc scan) plus the most one "

@@ -144,8 +144,7 @@ def live_tensor_bytes(device: str = "cpu") -> int:
         # plain tensors and parameters only: a subclass either wraps plain tensors the scan finds
         # anyway (DTensor's local shard) or has no real storage (the compiler's FakeTensors)
         if type(obj) in _PLAIN and obj.device.type == device and obj.layout == torch.strided:
-            storage = obj.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
+            storages[_storage_key(obj)] = obj.untyped_storage().nbytes()
     return sum(storages.values())
 
 

@@ -269,7 +269,7 @@ def run_dp_stage(recipe: Candidate, workload, workload_spec: dict, *, params: in
 
     say = say or logger.info
     started = time.monotonic()
-    check_dp_settings(world, None, workload_spec, fit_json=fit_json)
+    check_dp_settings(world, None, workload_spec)  # the fit file is read (and refused) just below
     step_s = recipe.measured.get("step_seconds")
     if not step_s:
         raise ConfigError(f"the data-parallel stage needs the compute recipe's measured step; {recipe.name} has none")
