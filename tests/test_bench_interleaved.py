@@ -399,6 +399,9 @@ def test_quick_results_schema(quick_run):
     assert set(header["peak"]["detail"]) >= {"fp32", "bf16"}
     assert all(len(d["loadavg"]) == 3 for d in header["peak"]["detail"].values())
     assert header["environment"]["matmul_peak_flops"] == header["peak"]["flops"]
+    floor = header["ceiling"]["floors"]["fp32"]  # the GEMM floor, in every dtype a row computes in natively
+    assert floor["seconds"] == pytest.approx(sum(g["calls"] * g["seconds_each"] for g in floor["gemms"]))
+    assert floor["seconds"] > 0 and results["targets"] is None  # peers only: no turbotrain row to judge
     assert list(results["configs"]) == ["fp32-eager", "fp32-eager#2", "torch-amp", "always-fails"]
     assert results["configs"]["always-fails"]["status"] == "error"
     rows = results["rows"]

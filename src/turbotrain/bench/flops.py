@@ -92,7 +92,10 @@ class StepProfile:
     flops: int
     """FLOPs of one forward + backward (FLOP_CONVENTIONS)."""
     gemms: tuple[Gemm, ...]
-    """The step's GEMM shapes, most FLOPs first."""
+    """The step's heaviest GEMM shapes, most FLOPs first (the peak is measured at these)."""
+    gemm_calls: tuple[tuple[Gemm, int], ...] = ()
+    """Every GEMM shape the step dispatched, with its number of calls, most FLOPs first (the
+    ceiling's GEMM floor, bench/ceiling.py, times all of them)."""
 
 
 def profile_step(build_model, loss_fn, batch, max_gemms: int = 4) -> StepProfile:
@@ -103,7 +106,9 @@ def profile_step(build_model, loss_fn, batch, max_gemms: int = 4) -> StepProfile
     model = build_model().to(device).float()
     with OpCounter() as counter, GemmRecorder() as gemms:
         user_loss(model, loss_fn, batch).backward()
-    return StepProfile(int(counter.counts.flops), tuple(gemms.largest(max_gemms)))
+    every = gemms.largest(len(gemms.calls))
+    return StepProfile(int(counter.counts.flops), tuple(every[:max_gemms]),
+                       tuple((g, gemms.calls[g]) for g in every))
 
 
 def count_step_flops(build_model, loss_fn, batch) -> int:

@@ -9,6 +9,7 @@ import math
 from pathlib import Path
 
 from ..utils import atomic_write, require
+from .ceiling import target_lines
 from .configs import BASELINE, get_config
 from .stats import (achieved_flops, bootstrap_ratio_ci, mfu, relative_change, round_times, slow_dtypes, speed_ratio,
                     summarize, throughput)
@@ -336,6 +337,8 @@ def write_html(results: dict, out_dir: Path, charts: list[Path]) -> Path:
     ] + [("note", n) for n in h["notes"]]
     unit = h["workload"]["unit"]
     rows = [table_cells(n, c, unit) for n, c in results["configs"].items()]
+    verdict = "\n".join(target_lines(results.get("targets")))
+    targets = f"<h2>Targets</h2><pre>{html.escape(verdict)}</pre>" if verdict else ""
     images = "".join(
         f'<figure><img alt="{p.stem}" src="data:image/png;base64,{base64.b64encode(p.read_bytes()).decode()}">'
         f"<figcaption>{p.name}</figcaption></figure>" for p in charts)
@@ -350,7 +353,7 @@ the strongest peer), with its 95% bootstrap interval over {run.get('rounds')} in
 {html.escape(str(run.get('aa_row') or 'no A/A row'))} is the reference run again in its own worker: its interval is
 the noise floor. FAILED: the val loss left the row's tolerance of {BASELINE}'s. MFU = FLOPs per step / median step
 time / matmul peak of the row's compute dtype (and of bf16 for every row). Speed-up and Δval are relative to
-{BASELINE}.</p>
+{BASELINE}.</p>{targets}
 <h2>Charts</h2>{images}</body></html>"""
     path = out_dir / "report.html"
     atomic_write(path, doc)

@@ -13,6 +13,7 @@ import torch
 from ..errors import check_positive
 from ..hardware import environment_report, print_environment, resolve_device
 from ..utils import check_output_dir, require
+from .ceiling import FLOOR_METHOD, check_targets, floor_dtypes, floor_text, measure_floor, target_lines
 from .configs import (BASELINE, INSTANCE_MARK, OPTIMIZER_IMPLEMENTATION, OPTIMIZER_SETTINGS, REFERENCE, TUNED_ROW,
                       default_configs, get_config, list_configs, resolve_names)
 from .console import escape, make_console
@@ -211,6 +212,10 @@ def run_ladder(settings: LadderSettings, out_dir: str | Path, console=None) -> d
     env["square_median_peak_flops"] = env["matmul_peak_flops"]  # turbotrain env's figure, for comparison
     env["matmul_peak_flops"], env["matmul_peak_method"] = dict(peak["flops"]), peak["method"]
     _print_peaks(peak, console)
+    floors = {d: measure_floor(step.gemm_calls, d, device)
+              for d in floor_dtypes([get_config(r).dtype_on(device) for r in rows], env)}
+    for line in floor_text(floors):
+        console.print(f"[bold]{escape(line)}[/]")
     per_round = split_steps(settings.steps, settings.rounds)
     header = {
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -227,6 +232,7 @@ def run_ladder(settings: LadderSettings, out_dir: str | Path, console=None) -> d
         "flops_per_step": step.flops,
         "gemms": [{**g.to_dict(), "label": g.label} for g in step.gemms],
         "peak": peak,
+        "ceiling": {"method": FLOOR_METHOD, "floors": floors},
         "flop_conventions": FLOP_CONVENTIONS,
         "mfu_conventions": MFU_CONVENTIONS + env["matmul_peak_method"],
         "measurement": MEASUREMENT,
@@ -261,6 +267,9 @@ def run_ladder(settings: LadderSettings, out_dir: str | Path, console=None) -> d
     for name, config in results["configs"].items():
         if config.get("status") == "FAILED":
             console.print(f"[bold red]FAILED[/] {escape(name)}: {escape(config['loss_check']['message'])}")
+    results["targets"] = check_targets(results)
+    for line in target_lines(results["targets"]):
+        console.print(escape(line))
     paths = write_reports(results, out_dir)
     console.print("wrote " + escape(", ".join(str(p) for p in paths)))
     return results
