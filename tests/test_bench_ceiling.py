@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from turbotrain.bench import ceiling
+from turbotrain.bench import ceiling, peak
 from turbotrain.bench.ceiling import TARGETS, check_targets, measure_floor, target_lines
 from turbotrain.bench.flops import Gemm, profile_step
 from turbotrain.bench.report import build_results
@@ -88,16 +88,47 @@ def test_no_turbotrain_row_means_no_verdict():
     assert _verdict({"torch-compile-step-fp32": _row(1.6), "torch-amp": _row(1.0)})[0] is None
 
 
-def test_the_floor_sums_every_shape_times_its_calls(monkeypatch):
-    speeds = {Gemm(8, 4, 2).label: [10.0, 40.0, 20.0], Gemm(4, 4, 4, b_transposed=True).label: [64.0]}
-    monkeypatch.setattr(ceiling, "measure_gemm", lambda g, *a: speeds[g.label])
-    floor = measure_floor([(Gemm(8, 4, 2), 3), (Gemm(4, 4, 4, b_transposed=True), 2)], "fp32", "cpu")
+@pytest.fixture
+def scripted_gemms(monkeypatch, tmp_path):
+    """peak.measure_gemm returns the FLOP/s trials the test scripts, by shape label."""
+    monkeypatch.setenv("TURBOTRAIN_CACHE", str(tmp_path))
+    monkeypatch.delenv("TURBOTRAIN_REMEASURE", raising=False)
+    speeds = {}
+    monkeypatch.setattr(peak, "measure_gemm", lambda g, *a: speeds[g.label])
+    return speeds
+
+
+def test_the_floor_sums_every_shape_times_its_calls(scripted_gemms):
+    a, b = Gemm(8, 4, 2), Gemm(4, 4, 4, b_transposed=True)
+    scripted_gemms.update({a.label: [10.0, 40.0, 20.0], b.label: [64.0]})
+    floor = measure_floor([(a, 3), (b, 2)], "fp32", "cpu", probe=100.0)
     assert floor["seconds"] == pytest.approx(3 * 128 / 40.0 + 2 * 128 / 64.0)  # the best trial of each
     assert [g["calls"] for g in floor["gemms"]] == [3, 2]
 
 
-def test_the_step_profile_keeps_every_gemm_with_its_calls():
+def test_a_busy_run_cannot_raise_the_floor_but_a_faster_machine_resets_it(scripted_gemms, monkeypatch):
+    a = Gemm(8, 4, 2)
+    scripted_gemms[a.label] = [40.0]
+    assert measure_floor([(a, 1)], "fp32", "cpu", probe=100.0)["gemms"][0]["flops_per_s"] == 40.0
+    scripted_gemms[a.label] = [25.0]  # something else shared the CPU this time
+    assert measure_floor([(a, 1)], "fp32", "cpu", probe=95.0)["gemms"][0]["flops_per_s"] == 40.0
+    scripted_gemms[a.label] = [30.0]  # the probe is 20% above the cached one: the machine changed
+    assert measure_floor([(a, 1)], "fp32", "cpu", probe=120.0)["gemms"][0]["flops_per_s"] == 30.0
+    scripted_gemms[a.label] = [20.0]
+    monkeypatch.setenv("TURBOTRAIN_REMEASURE", "1")  # asked to forget the cache
+    assert measure_floor([(a, 1)], "fp32", "cpu", probe=120.0)["gemms"][0]["flops_per_s"] == 20.0
+
+
+def test_a_row_faster_than_the_floor_is_flagged():
+    verdict, _ = _verdict({"torch-compile-step-fp32": _row(1.6), "tt-fused-compile-fp32": _row(1.5)},
+                          floors={"fp32": {"seconds": 1.55, "gemms": []}})
+    assert any("faster than the GEMM floor" in n and "tt-fused-compile-fp32" in n for n in verdict["notes"])
+
+
+def test_the_step_profile_keeps_every_gemm_with_its_calls(monkeypatch, tmp_path):
     import torch
+
+    monkeypatch.setenv("TURBOTRAIN_CACHE", str(tmp_path))
 
     torch.manual_seed(0)
     model = lambda: torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
@@ -106,5 +137,5 @@ def test_the_step_profile_keeps_every_gemm_with_its_calls():
     assert len(step.gemms) == 1 and step.gemms[0] == step.gemm_calls[0][0]
     # two Linears: forward (addmm) and the weight gradients; the input gradient only for the second
     assert sum(calls for _, calls in step.gemm_calls) == 5
-    real = measure_floor(step.gemm_calls, "fp32", "cpu", ceiling.FloorSettings(trials=2, trial_seconds=0.001))
+    real = measure_floor(step.gemm_calls, "fp32", "cpu", settings=ceiling.FloorSettings(trials=2, trial_seconds=0.001))
     assert real["seconds"] > 0 and len(real["gemms"]) == len(step.gemm_calls)

@@ -25,7 +25,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from .flops import Gemm
-from .peak import measure_gemm
+from .peak import best_gemm_flops
 from .stats import slow_dtypes
 
 __all__ = ["Targets", "TARGETS", "FloorSettings", "measure_floor", "floor_dtypes", "check_targets",
@@ -49,16 +49,18 @@ TARGETS = Targets()
 
 @dataclass(frozen=True)
 class FloorSettings:
-    trials: int = 3
+    trials: int = 5
     trial_seconds: float = 0.05
     shape_seconds: float = 1.0
     """A shape whose trials pass this long stops after two (the lm head at long T on a CPU)."""
 
 
 FLOOR_METHOD = ("each GEMM shape the plain model's fp32 forward + backward dispatched (mm, addmm, bmm, baddbmm; "
-                "operand layouts as dispatched), timed alone in the row's compute dtype, the fastest of a few "
-                "trials, times its calls per step; summed. The ceiling is the reference's median step over the "
-                "floor: no schedule of those GEMMs is faster than the floor")
+                "operand layouts as dispatched), timed alone in the row's compute dtype at the best of 5 trials, "
+                "or at the best an earlier run on this machine cached if that was faster (a busy moment cannot "
+                "raise the floor; the cache is dropped when the square probe shows the machine faster than when it "
+                "was written), times its calls per step; summed. The ceiling is the reference's median step over "
+                "the floor: no schedule of those GEMMs is faster than the floor")
 
 
 def floor_dtypes(dtypes, environment: dict) -> list[str]:
@@ -68,15 +70,19 @@ def floor_dtypes(dtypes, environment: dict) -> list[str]:
     return [d for d in dict.fromkeys(dtypes) if d not in slow]
 
 
-def measure_floor(gemm_calls, dtype: str, device: str, settings: FloorSettings = FloorSettings()) -> dict:
+def measure_floor(gemm_calls, dtype: str, device: str, probe: float = 0.0,
+                  settings: FloorSettings = FloorSettings()) -> dict:
     """``{"seconds", "gemms": [{label, calls, seconds_each, flops_per_s}]}``: the step's GEMMs at
-    their best speed in ``dtype``, heaviest first."""
+    their best speed in ``dtype``, heaviest first. ``probe`` is this run's square-GEMM probe
+    (peak.matmul_peak's ``probe_now``): it decides whether the speeds a previous run cached still
+    describe this machine (peak.best_gemm_flops keeps the faster of the two)."""
+    speeds = best_gemm_flops([g for g, _ in gemm_calls], dtype, device, probe, trials=settings.trials,
+                             trial_seconds=settings.trial_seconds, shape_seconds=settings.shape_seconds)
     rows, total = [], 0.0
     for gemm, calls in gemm_calls:
-        best = max(measure_gemm(gemm, dtype, device, settings.trials, settings.trial_seconds, settings.shape_seconds))
-        seconds = gemm.flops / best
+        seconds = gemm.flops / speeds[gemm.label]
         total += seconds * calls
-        rows.append({"label": gemm.label, "calls": calls, "seconds_each": seconds, "flops_per_s": best})
+        rows.append({"label": gemm.label, "calls": calls, "seconds_each": seconds, "flops_per_s": speeds[gemm.label]})
     return {"seconds": total, "gemms": rows}
 
 
@@ -134,6 +140,11 @@ def check_targets(results: dict, targets: Targets = TARGETS) -> dict | None:
     out["checks"].append(_check("loss", "", check.get("message", "not checked"), check.get("passed")))
     out["checks"].append(_memory_check(header, kept, best, reference, targets))
     out["ceiling"] = _ceiling(header, reference, {reference_name: reference, best: row})
+    below = [n for n, r in (out["ceiling"] or {}).get("rows", {}).items() if r["rest_seconds"] < 0]
+    if below:
+        out["notes"].append(f"{', '.join(below)} ran faster than the GEMM floor, so the floor is too high (measured "
+                            "while the machine was busy?): read the ceiling as a guess and run again with "
+                            "TURBOTRAIN_REMEASURE=1 on a quiet machine")
     return out
 
 

@@ -33,7 +33,7 @@ from ..hardware import cache_dir, default_matmul_size, detect, timed_trials
 from ..utils import atomic_write
 from .flops import Gemm
 
-__all__ = ["PeakSettings", "matmul_peak", "matmul_peaks", "measure_gemm", "quick_probe", "square_gemms", "square_size", "peak_method",
+__all__ = ["PeakSettings", "matmul_peak", "matmul_peaks", "best_gemm_flops", "measure_gemm", "quick_probe", "square_gemms", "square_size", "peak_method",
            "clear_cache", "PROBE_TOLERANCE", "CACHE_FILE"]
 
 logger = logging.getLogger(__name__)
@@ -181,3 +181,31 @@ def matmul_peaks(dtypes, device: str, model_gemms, *, force: bool = False,
     """``{"flops": {dtype: peak}, "detail": {dtype: matmul_peak(...)}, "method": ...}`` for ``dtypes``."""
     detail = {d: matmul_peak(d, device, model_gemms, force=force, settings=settings) for d in dtypes}
     return {"flops": {d: v["value"] for d, v in detail.items()}, "detail": detail, "method": peak_method(settings)}
+
+
+def best_gemm_flops(gemms, dtype: str, device: str, probe: float, *, trials: int, trial_seconds: float,
+                    shape_seconds: float = math.inf, force: bool = False) -> dict[str, float]:
+    """The best FLOP/s of each of ``gemms`` in ``dtype``: this run's best trial, or the best a
+    previous run recorded under the same machine key, whichever is higher.
+
+    For a bound that must not be pessimistic (bench/ceiling.py's GEMM floor), a run measured
+    while something else used the CPU should not raise it: the cached best survives such a run. It
+    is dropped when this run's square ``probe`` is more than PROBE_TOLERANCE *above* the probe it was
+    recorded with (the machine is faster than when the cache was written), or on ``force`` /
+    ``TURBOTRAIN_REMEASURE=1``.
+    """
+    gemms = list(dict.fromkeys(gemms))
+    key = "gemm-best|" + _cache_key(dtype, device, gemms)
+    table = _load_cache()
+    cached = table.get(key)
+    force = force or os.environ.get("TURBOTRAIN_REMEASURE") == "1"
+    if force or not cached or probe > cached["probe"] * (1 + PROBE_TOLERANCE):
+        cached = {"probe": probe, "flops": {}}
+    best = {}
+    for g in gemms:
+        fresh = max(measure_gemm(g, dtype, device, trials, trial_seconds, shape_seconds))
+        best[g.label] = max(fresh, cached["flops"].get(g.label, 0.0))
+    table[key] = {"probe": max(probe, cached["probe"]), "flops": best,
+                  "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    _save_cache(table)
+    return best

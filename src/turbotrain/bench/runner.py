@@ -212,7 +212,7 @@ def run_ladder(settings: LadderSettings, out_dir: str | Path, console=None) -> d
     env["square_median_peak_flops"] = env["matmul_peak_flops"]  # turbotrain env's figure, for comparison
     env["matmul_peak_flops"], env["matmul_peak_method"] = dict(peak["flops"]), peak["method"]
     _print_peaks(peak, console)
-    floors = {d: measure_floor(step.gemm_calls, d, device)
+    floors = {d: measure_floor(step.gemm_calls, d, device, peak["detail"].get(d, {}).get("probe_now", 0.0))
               for d in floor_dtypes([get_config(r).dtype_on(device) for r in rows], env)}
     for line in floor_text(floors):
         console.print(f"[bold]{escape(line)}[/]")
