@@ -335,6 +335,21 @@ def sc_engine_bf16_fused(info, shared):
             "describe": engine.describe()}
 
 
+def sc_engine_checkpoint_every(info, shared):
+    """Config(checkpoint='blocks', checkpoint_every=2) sharded by the Engine: gpt's block 0 recomputed, block 1 not."""
+    from turbotrain import Config, Engine
+    from turbotrain.memory import checkpointed_blocks
+
+    wl = workload()
+    model = wl.build_model()
+    config = Config(parallel=cfg(), checkpoint="blocks", checkpoint_every=2, track_grad_norm=True, device="cpu")
+    engine = Engine(model, torch.optim.AdamW(model.parameters(), lr=LR), wl.loss_fn, config=config)
+    stats = [engine.step(rows(b, info["rank"])) for b in text_batches()]
+    return {"losses": [s.loss.item() for s in stats], "norms": [float(s.grad_norm) for s in stats],
+            "checkpointed": checkpointed_blocks(engine.module), "sharded": _all_dtensors(engine.module),
+            "params": full_params(engine.module), "describe": engine.describe()}
+
+
 def sc_engine_fp16(info, shared):
     """fp16-master from a loss scale that overflows (backing off 2**10 at once): ranks skip the same steps."""
     from turbotrain import Config, Engine, LossScaleConfig
@@ -438,7 +453,7 @@ def _all_dtensors(model) -> bool:
 
 SCENARIOS = [sc_fsdp, sc_fsdp_memory, sc_fsdp_zero2_checkpointing, sc_fsdp_accumulate, sc_fsdp_bf16,
              sc_found_inf, sc_tp_gpt, sc_sp_gpt, sc_sp_gpt_bf16, sc_sp_llama, sc_tp_hf, sc_sp_hf, sc_ckpt_from_single,
-             sc_ckpt_to_ddp, sc_ckpt_tp, sc_engine, sc_engine_bf16_fused, sc_engine_fp16]
+             sc_ckpt_to_ddp, sc_ckpt_tp, sc_engine, sc_engine_bf16_fused, sc_engine_checkpoint_every, sc_engine_fp16]
 
 
 # -- spawning -------------------------------------------------------------------------------------
@@ -734,6 +749,19 @@ def test_engine_bf16_master_with_checkpointing_fused_loss_and_clipping(ranks, gp
     mean_losses = [sum(r["losses"][s] for r in res) / WORLD for s in range(STEPS)]
     # bf16 compute (8 mantissa bits) and the fused loss against the fp32 run: well under 2%.
     torch.testing.assert_close(mean_losses, gpt_ref["losses"], rtol=2e-2, atol=0)
+
+
+def test_engine_fsdp_with_every_other_block_checkpointed_matches_one_process(ranks, gpt_ref):
+    res = result(ranks, "sc_engine_checkpoint_every")
+    for r in res:
+        assert r["sharded"] and r["checkpointed"] == [("blocks.0", "blocks")]  # of gpt's two blocks, the first
+        assert "every 2: 1 of 2 blocks" in r["describe"]
+        assert_params_close(r["params"], gpt_ref["params"])
+    # the global gradient's norm before each step: the recomputed block 0 gives the gradients it would keep
+    torch.testing.assert_close(res[0]["norms"], gpt_ref["norms"], rtol=1e-4, atol=1e-6)
+    assert res[0]["norms"] == res[1]["norms"]
+    mean_losses = [sum(r["losses"][s] for r in res) / WORLD for s in range(STEPS)]
+    torch.testing.assert_close(mean_losses, gpt_ref["losses"], rtol=1e-5, atol=1e-6)
 
 
 def test_engine_fp16_ranks_skip_the_same_overflowing_steps(ranks):

@@ -2,6 +2,7 @@
 loss is rejected by the FP32 shadow run, the chosen Config round-trips into an Engine, bad input
 stops the command with one line, and a tiny end-to-end tune writes its four files in its budget."""
 
+import doctest
 import json
 import os
 import subprocess
@@ -20,13 +21,15 @@ from turbotrain.cli import main
 from turbotrain.config import FUSION_PATTERNS
 from turbotrain.errors import ConfigError
 from turbotrain.hardware import HardwareInfo
+from turbotrain.memory import checkpointed_blocks
 from turbotrain.tune.facts import ModelFacts, analyse
-from turbotrain.tune.prune import estimate_memory, hardware_reasons, order, prune
-from turbotrain.tune.report import build_document, write_reports
+from turbotrain.tune.prune import estimate_memory, hardware_reasons, order, predict_seconds, prune
+from turbotrain.tune.report import build_document, pruned_axes, write_reports
 from turbotrain.tune.row import (TUNED_ENV, TUNED_ROW, ConfigTrainer, forget_tuned_row, register_tuned_row,
                                  split_batch)
 from turbotrain.tune.search import TuneSettings, _Admission, _record, parse_duration, parse_memory, run_tune
-from turbotrain.tune.space import ACCUMULATE_VALUES, FUSION_VALUES, PRECISION_VALUES, enumerate_space
+from turbotrain.tune.space import (ACCUMULATE_VALUES, CHECKPOINT_VALUES, FUSION_VALUES, PRECISION_VALUES,
+                                   enumerate_space)
 from turbotrain.tune.user import save_payload, user_workload
 
 
@@ -98,11 +101,81 @@ PEAKS = {"fp32": 1e11}
 # ---------------------------------------------------------------------------------------- the space
 def test_the_space_is_every_combination_with_the_baseline_first():
     space = enumerate_space(batch_rows=8)
-    assert len(space) == len(PRECISION_VALUES) * len(FUSION_VALUES) * 2 * 3 * len(ACCUMULATE_VALUES)
+    assert len(space) == (len(PRECISION_VALUES) * len(FUSION_VALUES) * 2 * len(CHECKPOINT_VALUES)
+                          * len(ACCUMULATE_VALUES))
     assert len({c.name for c in space}) == len(space)
     assert space[0].is_baseline and sum(c.is_baseline for c in space) == 1
     assert space[0].config() == Config()
     assert not any(c.data_parallel for c in space)
+
+
+def _plain(checkpoint, every=1, batch_rows=8):
+    """The fp32 candidate with nothing on but ``checkpoint`` on every ``every``-th block."""
+    return enumerate_space(batch_rows, precisions=("fp32",), fusions=((),), compiles=("none",),
+                           checkpoints=((checkpoint, every),), accumulates=(1,))[0]
+
+
+def test_the_space_modules_docstring_examples_run():
+    from turbotrain.tune import space
+
+    assert doctest.testmod(space).failed == 0
+
+
+def test_the_checkpoint_axis_holds_every_other_block_and_its_config():
+    space = enumerate_space(batch_rows=8)
+    every = {(c.checkpoint, c.checkpoint_every) for c in space}
+    assert every == {(None, 1), ("blocks", 1), ("blocks", 2), ("selective", 1)}  # no selective/2 (space.py says why)
+    half = next(c for c in space if c.checkpoint_every == 2 and c.precision == "fp32" and not c.fusion
+                and c.compile == "none" and c.accumulate == 1)
+    assert half.name == "fp32+ckpt:blocks/2" and half.settings()["checkpoint"] == "blocks/2"
+    assert half.config() == Config(checkpoint="blocks", checkpoint_every=2)
+    assert _plain("selective", 2).name == "fp32+ckpt:selective/2"  # searchable when asked for
+    with pytest.raises(ConfigError, match="checkpoint_every"):
+        enumerate_space(8, checkpoints=((None, 2),))  # every other block of no checkpointing
+    with pytest.raises(ConfigError, match="pair"):
+        enumerate_space(8, checkpoints=(("blocks",),))
+
+
+def test_every_other_block_is_priced_strictly_between_none_and_blocks():
+    facts = _facts()  # 200 MiB saved; all blocks checkpointed keep 40 outside + 8 inputs + 80 of one block
+    none, half, blocks = _plain(None), _plain("blocks", 2), _plain("blocks")
+    memory = {c.name: estimate_memory(c, facts)["activation_bytes"] for c in (none, half, blocks)}
+    assert memory[none.name] > memory[half.name] > memory[blocks.name]
+    # ceil(2 / 2) = 1 of 2 blocks: half the 72 MiB that checkpointing every block saves
+    assert memory[half.name] == (200 - 72 // 2) * 2**20
+    # ceil(3 / 2) = 2 of 3 blocks (blocks 0 and 2): two thirds of it, not the one third 3 // 2 would give
+    three = estimate_memory(half, _facts(block_count=3))["activation_bytes"]
+    assert three == pytest.approx((200 - 72 * 2 // 3) * 2**20, abs=1)  # abs: the estimate truncates to bytes
+    seconds = {c.name: predict_seconds(c, facts, PEAKS, 1e10) for c in (none, half, blocks)}
+    assert seconds[none.name] < seconds[half.name] < seconds[blocks.name]
+    # recompute: a third of the step for every block, a sixth for every other one
+    assert seconds[half.name] == pytest.approx(seconds[none.name] * (1 + 1 / 6))
+    selective_half = estimate_memory(_plain("selective", 2), facts)["activation_bytes"]
+    assert selective_half == (200 - 72 // 4) * 2**20  # selective's half of the saving, on half the blocks
+
+
+def test_a_checkpoint_every_that_picks_the_same_blocks_as_a_smaller_one_is_pruned():
+    facts = _facts()  # 2 blocks: every 2 and every 4 both checkpoint block 0 only
+    space = enumerate_space(8, precisions=("fp32",), fusions=((),), compiles=("none",),
+                            checkpoints=(None, "blocks", ("blocks", 4), ("blocks", 2), ("selective", 4)),
+                            accumulates=(1,))
+    left = prune(space, facts, _cpu("avx2"), peaks=PEAKS)
+    by_name = {c.name: c for c in space}
+    assert {c.name for c in left} == {"fp32", "fp32+ckpt:blocks", "fp32+ckpt:blocks/2", "fp32+ckpt:selective/4"}
+    quarter = by_name["fp32+ckpt:blocks/4"]
+    assert quarter.pruned_axis == "checkpoint" and "block 0 only" in quarter.reason
+    assert "checkpoint_every=2" in quarter.reason
+    assert pruned_axes(space) == [{"axis": "checkpoint", "values": ["blocks/4"], "reason": quarter.reason,
+                                   "candidates": 1}]
+    # one block: every other block is that block, so blocks stands for blocks/2
+    space = enumerate_space(8)
+    prune(space, _facts(block_count=1), _cpu("avx2", "avx512_bf16"), peaks=PEAKS)
+    half = [c for c in space if c.checkpoint_every == 2 and not c.precision.startswith("fp16")]  # fp16: on precision
+    assert half and all(c.pruned_axis == "checkpoint" and "as checkpoint_every=1 does" in c.reason for c in half)
+    # on the two blocks of the default facts nothing in the default space duplicates another
+    space = enumerate_space(8)
+    prune(space, facts, _cpu("avx2", "avx512_bf16"), peaks=PEAKS)
+    assert not any(c.pruned_axis == "checkpoint" for c in space)
 
 
 def test_bf16_is_pruned_on_an_avx2_only_cpu_with_its_reason():
@@ -240,6 +313,31 @@ def test_a_tuned_config_round_trips_through_json_into_an_engine_that_trains(tmp_
     finally:
         forget_tuned_row()
     assert not registry.get_config(TUNED_ROW).is_default_on("cpu")
+
+
+def test_a_tuned_every_other_block_config_round_trips_into_an_engine_that_checkpoints_block_0_only(tmp_path):
+    facts = _facts()
+    space = enumerate_space(4, precisions=("fp32",), fusions=((),), compiles=("none",), accumulates=(1,))
+    order(prune(space, facts, _cpu("avx2"), peaks=PEAKS), facts, PEAKS, 1e10)
+    winner = next(c for c in space if c.checkpoint_every == 2)
+    winner.status = "measured"
+    winner.measured = {"ratio_vs_baseline": 1.1, "ratio_ci95": [1.05, 1.15], "step_seconds": 0.5, "val_loss": 3.0,
+                       "loss_delta_percent": 0.0, "loss_tolerance_percent": 0.2, "peak_memory_bytes": 2**20}
+    doc = build_document(space, winner, facts, _cpu("avx2"), PEAKS, 1e10, TuneSettings(budget_s=10), _Named(), [1],
+                         1.0)
+    assert "blocks/2" in doc["space"]["axes"]["checkpoint"]
+    write_reports(doc, winner, tmp_path)
+    saved = json.loads((tmp_path / "tune.json").read_text())["winner"]
+    assert saved["name"] == "fp32+ckpt:blocks/2" and saved["config"]["checkpoint_every"] == 2
+    config = Config.from_json((tmp_path / "tuned.json").read_text())
+    assert (config.checkpoint, config.checkpoint_every) == ("blocks", 2)
+    workload = user_workload(tiny_model, tiny_optimizer, tiny_batches(count=4), loss_fn=tiny_loss)
+    trainer = ConfigTrainer(workload, "cpu", config.to_dict())
+    assert torch.isfinite(trainer.step(next(workload.batches("train"))))
+    assert checkpointed_blocks(trainer.engine.module) == [("blocks.0", "blocks")]  # TinyNet's 2 blocks: the first
+    # a tuned.json written before checkpoint_every existed loads as every block
+    old = {k: v for k, v in Config(checkpoint="blocks").to_dict().items() if k != "checkpoint_every"}
+    assert Config.from_dict(old).checkpoint_every == 1
 
 
 def test_turbotrain_tune_is_callable_and_stays_the_package():

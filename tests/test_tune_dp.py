@@ -265,6 +265,54 @@ def test_the_dp_stage_prices_and_reports_the_users_fit(tmp_path, monkeypatch):
     assert predicted[0] > 10 * predicted[1]  # the slow fitted link, not loopback, priced the uncompressed job
 
 
+def test_the_dp_stage_carries_an_every_other_block_recipe_into_its_jobs_and_its_config(monkeypatch):
+    import turbotrain.bench.dp_ladder as dp_ladder
+    from turbotrain.bench.dp_worker import LadderSpec, _build_engine
+    from turbotrain.memory import checkpointed_blocks
+    from turbotrain.workloads import get_workload
+
+    specs = []
+    monkeypatch.setattr(dp_search, "_measure", lambda survivors, base_spec, *args: specs.append(base_spec) or {})
+    monkeypatch.setattr(dp_ladder, "namespace_problem", lambda: "not probed in this test")
+    recipe = next(c for c in enumerate_space(8) if c.precision == "fp32" and not c.fusion and c.compile == "none"
+                  and c.checkpoint_every == 2 and c.accumulate == 1)
+    recipe.measured = {"step_seconds": 0.5}
+    overrides = dict(d=32, n_layer=3, n_head=2, T=8, B=2, vocab_size=512)
+    dp = run_dp_stage(recipe, user_workload(_tiny_model, _adamw, _tiny_batches()),
+                      {"workload": "gpt", "overrides": overrides}, params=20_000, world=2, link=None, steps=2,
+                      warmup=8, seed=0, val_batches=1, bandwidth=1e10, threads=1, end=time.monotonic() + 60,
+                      say=lambda line: None)
+    assert all(c.name.startswith("fp32+ckpt:blocks/2+dp:") for c in dp.candidates)
+    assert dp.winner.config().checkpoint_every == 2  # what tuned.json holds
+    spec = LadderSpec(row=dp.candidates[0].name, mode="local", **specs[0])  # a job's Config, without its ranks
+    assert spec.checkpoint_every == 2
+    workload = get_workload("gpt", **overrides)
+    engine = _build_engine(spec, workload)
+    assert torch.isfinite(engine.step(next(iter(workload.batches("train", 0)))).loss)
+    assert [path for path, _ in checkpointed_blocks(engine.module)] == ["blocks.0", "blocks.2"]  # 3 blocks, every 2nd
+
+
+def test_a_job_named_after_an_every_other_block_recipe_keeps_its_files_in_the_work_folder(tmp_path, monkeypatch):
+    import turbotrain.bench.dp_ladder as dp_ladder
+    from turbotrain.bench.dp_worker import LadderSpec
+
+    class Exited:  # torchrun stands in: exits at once without a result, as a job that died does
+        pid, returncode = 0, 1
+
+        def __init__(self, cmd, **kwargs):
+            pass
+
+        def wait(self, timeout=None):
+            return self.returncode
+
+    monkeypatch.setattr(dp_ladder.subprocess, "Popen", Exited)
+    spec = LadderSpec(row="fp32+ckpt:blocks/2+dp:none:25MB", mode="dp", checkpoint="blocks", checkpoint_every=2)
+    result = dp_ladder.run_job(spec, 2, tmp_path, timeout=5)
+    assert result["status"] == "error" and "job died" in result["error"]  # not a missing folder 'fp32_ckpt:blocks'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fp32_ckpt:blocks_2_dp:none:25MB.log",
+                                                          "fp32_ckpt:blocks_2_dp:none:25MB.spec.json"]
+
+
 # ------------------------------------------------------------------------------- recording, choosing
 def _job(steps, val=3.0, wire=4_000_000):
     return {"status": "ok", "step_seconds": steps, "val_loss": val, "items_per_step": 8, "unit": "samples",

@@ -280,7 +280,7 @@ def _job_env(threads: int) -> dict:
 def _run_job(spec: LadderSpec, nproc: int, link: str | None, workdir: Path, timeout: float, tag: str = "") -> dict:
     """One torchrun job (in a namespace of its own when ``spec.count_wire``, shaped when ``link``); a
     result dict whatever happens."""
-    name = spec.row.replace("+", "_") + tag
+    name = spec.row.replace("+", "_").replace("/", "_") + tag  # tune's rows hold 'ckpt:blocks/2'
     spec_path, result_path, log_path = (workdir / f"{name}.{k}" for k in ("spec.json", "result.json", "log"))
     spec_path.write_text(json.dumps(asdict(spec)))
     # one node: the rendezvous store listens on 127.0.0.1 only, on a port it picked itself

@@ -99,6 +99,8 @@ class LadderSpec:
     """ParallelConfig fields (e.g. {"dp_shard": -1}): train through Config(parallel=...) instead of DDP."""
     checkpoint: str | None = None
     """Config.checkpoint (activation checkpointing), in dp and local jobs alike."""
+    checkpoint_every: int = 1
+    """Config.checkpoint_every: with ``checkpoint``, blocks 0, N, 2N, ... only (tune's blocks/2 recipe)."""
     max_state_bytes: int | None = None
     """Cap on any rank's parameter + gradient + optimizer-state bytes; over it the job stops (dp jobs)."""
     count_wire: bool = False
@@ -315,7 +317,8 @@ def _build_engine(spec: LadderSpec, workload):
                                 powersgd_rank=spec.powersgd_rank, sparse_embeddings=spec.sparse_embedding,
                                 bucket_mb=spec.bucket_mb)
     config = Config(precision=spec.precision, accumulate=spec.accumulate, data_parallel=dp,
-                    parallel=spec.parallel_config(), checkpoint=spec.checkpoint, device="cpu",
+                    parallel=spec.parallel_config(), checkpoint=spec.checkpoint,
+                    checkpoint_every=spec.checkpoint_every, device="cpu",
                     fuse=tuple(spec.fuse), compile=spec.compile)
     optimizer = sparse_embedding_optimizer(model) if spec.sparse_embedding else make_optimizer(model.parameters())
     if spec.mode == "dp" and spec.compression == "onebit":

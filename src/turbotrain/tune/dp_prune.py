@@ -33,7 +33,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..comm.config import DataParallelConfig
@@ -219,8 +219,9 @@ def price(c: Candidate, facts: DpFacts, link: Link) -> dict:
     row = _model_row(c, facts, link)
     topo = Topology(facts.world, 1, link)
     if c.compression == "onebit":
-        plain = price(Candidate(c.precision, c.fusion, c.compile, c.checkpoint, c.accumulate, c.batch_rows,
-                                bucket_mb=DEFAULT_BUCKET_MB, data_parallel=True), facts, link)
+        # the same recipe uncompressed (every compute field carried: replace, not a field list to keep up)
+        plain = price(replace(c, compression=None, bucket_mb=DEFAULT_BUCKET_MB, data_parallel=True, estimates={},
+                              measured={}), facts, link)
         compressed = row["step_s"]
         step = ONEBIT_WARMUP_SHARE * plain["step_s"] + (1 - ONEBIT_WARMUP_SHARE) * compressed
         return {"wire_bytes_per_rank": row["bytes_per_rank"], "exchange_s": row["comm_s"],

@@ -290,6 +290,7 @@ def run_dp_stage(recipe: Candidate, workload, workload_spec: dict, *, params: in
     base_spec = dict(workload=workload_spec["workload"], overrides=workload_spec.get("overrides") or {},
                      precision=recipe.precision, accumulate=recipe.accumulate, split_batch=True,
                      fuse=tuple(recipe.fusion), compile=recipe.compile != "none", checkpoint=recipe.checkpoint,
+                     checkpoint_every=recipe.checkpoint_every,
                      warmup=comm_warmup + 1, comm_warmup=comm_warmup, steps=steps, seed=seed, val_batches=val_batches,
                      threads=rank_threads, count_wire=bool(link) or wire_problem is None)
     runs = _measure(survivors, base_spec, world, link, end, say)

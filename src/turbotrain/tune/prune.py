@@ -6,7 +6,9 @@ Rules, in order (the first that applies names the candidate's reason and axis):
    compute capability < 8.0 on a GPU) or measures slower than fp32; fp16 modes on any CPU;
    fp16 on a GPU below capability 7.0.
 2. the model: a fusion pattern with no site in it (found by probing one batch), "every pattern"
-   when it fuses no more than a single pattern does, checkpointing without a block list.
+   when it fuses no more than a single pattern does, checkpointing without a block list, a
+   checkpoint_every that picks the same blocks as a smaller one of an otherwise equal candidate
+   (every N >= the block count checkpoints block 0 only).
 3. the batch: an accumulation count that does not divide the batch's rows.
 4. memory: the estimate below above ``max_memory``.
 
@@ -24,8 +26,8 @@ from ..hardware import HardwareInfo, cuda_bf16_native, native_bf16_feature
 from .facts import ModelFacts
 from .space import Candidate, fusion_label
 
-__all__ = ["hardware_reasons", "prune", "estimate_memory", "predict_seconds", "order", "MEMORY_MODEL",
-           "ORDERING_MODEL", "COMPILE_TRAFFIC", "CALL_OVERHEAD_S"]
+__all__ = ["hardware_reasons", "prune", "estimate_memory", "predict_seconds", "order", "checkpointed_share",
+           "MEMORY_MODEL", "ORDERING_MODEL", "COMPILE_TRAFFIC", "CALL_OVERHEAD_S", "SELECTIVE_SHARE"]
 
 MEMORY_MODEL = (
     'Memory estimate (bytes, per process): parameter state + activations. State per parameter: fp32 '
@@ -34,7 +36,9 @@ MEMORY_MODEL = (
     'Activations: the bytes autograd saved for backward in the FP32 analysis pass, scaled to the '
     'micro-batch, halved in bf16/fp16 (the FP32 keep-list is ignored); block checkpointing keeps the saved '
     "bytes outside the blocks, each block's input and one block's internals; selective is taken as "
-    'halfway between none and blocks; fused linear+cross-entropy removes one logits-sized tensor (the '
+    'halfway between none and blocks; checkpoint_every=N on B blocks checkpoints ceil(B/N) of them '
+    '(blocks 0, N, 2N, ...), and its saving (the step from none to blocks, or to selective) is scaled by '
+    'that share, ceil(B/N)/B; fused linear+cross-entropy removes one logits-sized tensor (the '
     'log-softmax cross-entropy saves). Compiled graphs and allocator caching are not modelled, which is why '
     'candidates are also measured.'
 )
@@ -44,7 +48,8 @@ ORDERING_MODEL = (
     'the bytes other ops move / the measured copy bandwidth. Low precision halves those bytes; compiling '
     'is assumed to halve them again (Inductor fuses elementwise chains; an assumption, not a '
     'measurement); fused linear+cross-entropy removes six logits-sized passes; block checkpointing adds '
-    'one forward of the blocks (a third of the FLOPs and bytes), selective half of that; every micro-batch '
+    'one forward of the blocks (a third of the FLOPs and bytes), selective half of that, either scaled by '
+    'the share of blocks checkpointed (ceil(B/N)/B with checkpoint_every=N); every micro-batch '
     'pays the dispatch of its ATen calls (counted in the analysis pass, at an assumed CALL_OVERHEAD_S each).'
 )
 #: Share of other ops' bytes a compiled graph still moves: an assumption of the ordering model only.
@@ -90,6 +95,19 @@ def hardware_reasons(info: HardwareInfo, peaks: dict | None = None) -> dict[str,
     return out
 
 
+def checkpointed_share(c: Candidate, facts: ModelFacts) -> float:
+    """Share of the model's blocks ``c`` checkpoints: ceil(B / every) of B (blocks 0, every, 2 every,
+    ..., as memory/checkpoint.py picks them); 0 without checkpointing or without a block list."""
+    if not c.checkpoint or not facts.block_count:
+        return 0.0
+    return len(range(0, facts.block_count, c.checkpoint_every)) / facts.block_count
+
+
+def _mode_share(c: Candidate) -> float:
+    """What a checkpointed block saves (and recomputes) in ``c``'s mode, against whole-block checkpointing."""
+    return 1.0 if c.checkpoint == "blocks" else SELECTIVE_SHARE
+
+
 def estimate_memory(c: Candidate, facts: ModelFacts) -> dict:
     """{'state_bytes', 'activation_bytes', 'total_bytes'} of ``c`` (see MEMORY_MODEL)."""
     p = facts.params
@@ -103,9 +121,9 @@ def estimate_memory(c: Candidate, facts: ModelFacts) -> dict:
     scale = c.micro_batch / facts.batch_rows
     act = facts.activation_bytes
     outside = act - facts.block_saved_bytes
-    if c.checkpoint and facts.block_count:
+    if share := checkpointed_share(c, facts):
         blocks = outside + facts.block_input_bytes + facts.max_block_saved_bytes
-        act = blocks if c.checkpoint == "blocks" else act - SELECTIVE_SHARE * (act - blocks)
+        act = act - _mode_share(c) * share * (act - blocks)
     if "linear_cross_entropy" in c.fusion:
         act = max(act - facts.logits_bytes, 0)
     act = act * scale * (_LOW[dtype] / 4)
@@ -115,9 +133,7 @@ def estimate_memory(c: Candidate, facts: ModelFacts) -> dict:
 def predict_seconds(c: Candidate, facts: ModelFacts, peaks: dict, bandwidth: float) -> float:
     """The ordering model's seconds per optimizer step of ``c`` (see ORDERING_MODEL)."""
     dtype = _dtype(c.precision)
-    recompute = 0.0
-    if c.checkpoint and facts.block_count:
-        recompute = (1 / 3) * (1.0 if c.checkpoint == "blocks" else SELECTIVE_SHARE)
+    recompute = (1 / 3) * _mode_share(c) * checkpointed_share(c, facts) if c.checkpoint else 0.0
     moved = facts.other_bytes * (_LOW[dtype] / 4)
     if "linear_cross_entropy" in c.fusion:
         moved = max(moved - 6 * facts.logits_bytes * (_LOW[dtype] / 4), 0.0)
@@ -132,7 +148,29 @@ def _prune(c: Candidate, axis: str, reason: str) -> None:
     c.status, c.pruned_axis, c.reason = "pruned", axis, reason
 
 
-def _structure_reason(c: Candidate, facts: ModelFacts) -> tuple[str, str] | None:
+def _same_blocks(candidates: list[Candidate], facts: ModelFacts) -> dict[int, str]:
+    """{id(candidate): reason} for each checkpoint_every that picks the same blocks as a smaller one
+    of an otherwise equal candidate (with B blocks, every N >= B checkpoints block 0 only); the
+    smallest stands for them."""
+    count = facts.block_count
+    if not count:  # no block list: rule 2 prunes every checkpointing candidate on that already
+        return {}
+    kept: dict[tuple, Candidate] = {}
+    out = {}
+    for c in sorted((c for c in candidates if c.checkpoint), key=lambda c: c.checkpoint_every):
+        picked = tuple(range(0, count, c.checkpoint_every))
+        key = (c.precision, tuple(c.fusion), c.compile, c.checkpoint, c.accumulate, c.data_parallel, c.compression,
+               c.bucket_mb, picked)
+        first = kept.setdefault(key, c)
+        if first is not c:
+            which = "block 0 only" if len(picked) == 1 else "blocks " + ", ".join(map(str, picked))
+            out[id(c)] = (f"the model has {count} block{'s' * (count != 1)}, so checkpoint_every={c.checkpoint_every} "
+                          f"checkpoints {which}, as checkpoint_every={first.checkpoint_every} does; that candidate "
+                          "stands for it")
+    return out
+
+
+def _structure_reason(c: Candidate, facts: ModelFacts, same_blocks: dict[int, str]) -> tuple[str, str] | None:
     found = [p for p in FUSION_PATTERNS if facts.sites.get(p)]
     missing = [p for p in c.fusion if not facts.sites.get(p)]
     if c.fusion and set(c.fusion) == set(FUSION_PATTERNS) and len(found) <= 1:
@@ -144,6 +182,8 @@ def _structure_reason(c: Candidate, facts: ModelFacts) -> tuple[str, str] | None
         return "fusion", f"no fusable {p} site in this model" + (f" ({why})" if why else " (found by probing one batch)")
     if c.checkpoint and facts.block_problem:
         return "checkpoint", facts.block_problem
+    if id(c) in same_blocks:
+        return "checkpoint", same_blocks[id(c)]
     if facts.batch_rows % c.accumulate:
         return "accumulate", (f"a batch of {facts.batch_rows} rows does not split into {c.accumulate} equal "
                               "micro-batches")
@@ -156,6 +196,7 @@ def prune(candidates: list[Candidate], facts: ModelFacts, info: HardwareInfo, *,
     memory estimate. The baseline is never pruned (every ratio and loss check needs it). Returns
     the candidates that are left."""
     low = hardware_reasons(info, peaks)
+    same_blocks = _same_blocks(candidates, facts)
     for c in candidates:
         if c.accumulate <= facts.batch_rows:
             c.estimates.update(estimate_memory(c, facts))
@@ -164,7 +205,7 @@ def prune(candidates: list[Candidate], facts: ModelFacts, info: HardwareInfo, *,
         dtype = _dtype(c.precision)
         if dtype in low:
             _prune(c, "precision", low[dtype])
-        elif found := _structure_reason(c, facts):
+        elif found := _structure_reason(c, facts, same_blocks):
             _prune(c, *found)
         elif max_memory is not None and c.estimates["total_bytes"] > max_memory:
             _prune(c, "memory", f"estimated {c.estimates['total_bytes'] / 2**20:.0f} MiB "

@@ -7,17 +7,19 @@ Axes (each value is a Config setting, or the micro-batch split of the user's bat
     compile        none, forward+loss (the Engine's one compile scope: ``Config(compile=True)``
                    compiles forward and loss as one graph; the whole step with backward and the
                    optimizer is not an Engine option, it is the ladder's torch-compile-step row)
-    checkpoint     none, blocks, selective
+    checkpoint     none, blocks, every other block (blocks/2: ``checkpoint_every=2``), selective
     accumulate     1, 2, 4: the batch split into that many micro-batches, one optimizer step
     data parallel  compression x DDP bucket size, for one compute recipe (the single-process
                    search's winner): ``enumerate_dp_space``, searched by the data-parallel stage
                    (dp_prune.py, dp_search.py) when the run has several ranks
 
 >>> space = enumerate_space(batch_rows=8)
->>> len(space) == 5 * 7 * 2 * 3 * 3
+>>> len(space) == 5 * 7 * 2 * 4 * 3
 True
 >>> space[0].name, space[0].is_baseline
 ('fp32', True)
+>>> next(c for c in space if c.checkpoint_every == 2).name
+'fp32+ckpt:blocks/2'
 >>> dp = enumerate_dp_space(space[0])
 >>> len(dp) == len(COMPRESSIONS) * len(BUCKET_MB_VALUES), dp[0].name, dp[0].is_dp_reference
 (True, 'fp32+dp:none:25MB', True)
@@ -29,13 +31,13 @@ import itertools
 from dataclasses import dataclass, field, replace
 
 from ..comm.config import COMPRESSIONS
-from ..config import CHECKPOINT_MODES, FUSION_PATTERNS, Config
+from ..config import FUSION_PATTERNS, Config
 from ..errors import ConfigError, check_number
 from ..precision.config import PRECISIONS
 
-__all__ = ["Candidate", "AXES", "PRECISION_VALUES", "FUSION_VALUES", "COMPILE_VALUES", "ACCUMULATE_VALUES",
-           "BUCKET_MB_VALUES", "DEFAULT_BUCKET_MB", "SHORT_PATTERN", "enumerate_space", "enumerate_dp_space",
-           "fusion_label"]
+__all__ = ["Candidate", "AXES", "PRECISION_VALUES", "FUSION_VALUES", "COMPILE_VALUES", "CHECKPOINT_VALUES",
+           "ACCUMULATE_VALUES", "BUCKET_MB_VALUES", "DEFAULT_BUCKET_MB", "SHORT_PATTERN", "enumerate_space",
+           "enumerate_dp_space", "fusion_label", "checkpoint_label"]
 
 #: Every explicit precision mode ('auto' is a choice the tuner makes itself, so it is not a value).
 PRECISION_VALUES = tuple(p for p in PRECISIONS if p != "auto")
@@ -44,6 +46,15 @@ PRECISION_VALUES = tuple(p for p in PRECISIONS if p != "auto")
 #: cover what was seen to matter at a seventh of the cost.
 FUSION_VALUES: tuple[tuple[str, ...], ...] = ((),) + tuple((p,) for p in FUSION_PATTERNS) + (FUSION_PATTERNS,)
 COMPILE_VALUES = ("none", "forward+loss")
+#: (Config.checkpoint, Config.checkpoint_every): none, every block, every other block (blocks 0,
+#: 2, 4, ...: about half the saved activations for about half the recompute, the point between
+#: none and all that benchmarks/2026-12-06-avx2-t1024-memory.md measured), and selective on every
+#: block. Selective on every other block is not a default value: selective already is the cheap
+#: middle point (only the elementwise and norm ops are recomputed), so halving it again buys back a
+#: quarter of what block checkpointing saves, a step the few measured steps of a tune cannot tell
+#: from none, for another 210 candidates in the same budget; pass ``("selective", 2)`` in
+#: ``checkpoints`` to search it.
+CHECKPOINT_VALUES: tuple[tuple[str | None, int], ...] = ((None, 1), ("blocks", 1), ("blocks", 2), ("selective", 1))
 ACCUMULATE_VALUES = (1, 2, 4)
 #: DDP bucket sizes tried with each compression (MiB): DDP's default, and smaller buckets that
 #: start communicating earlier in backward.
@@ -53,6 +64,17 @@ DEFAULT_BUCKET_MB = 25.0
 SHORT_PATTERN = {"linear_act": "lact", "qkv": "qkv", "layernorm_gelu": "lngelu", "swiglu": "swiglu",
                  "linear_cross_entropy": "lce"}
 AXES = ("precision", "fusion", "compile", "checkpoint", "accumulate", "data_parallel")
+
+
+def checkpoint_label(mode: str | None, every: int = 1) -> str | None:
+    """None, the mode, or 'mode/N' for every Nth block (``checkpoint_every=N``).
+
+    >>> checkpoint_label("blocks"), checkpoint_label("blocks", 2), checkpoint_label(None)
+    ('blocks', 'blocks/2', None)
+    """
+    if mode is None or every == 1:
+        return mode
+    return f"{mode}/{every}"
 
 
 def fusion_label(patterns: tuple[str, ...]) -> str:
@@ -75,6 +97,8 @@ class Candidate:
     accumulate: int
     batch_rows: int
     """Rows of the user's batch; a micro-batch holds batch_rows // accumulate of them."""
+    checkpoint_every: int = 1
+    """Config.checkpoint_every: with ``checkpoint``, blocks 0, N, 2N, ... only (1: every block)."""
     compression: str | None = None
     bucket_mb: float | None = None
     data_parallel: bool = False
@@ -113,7 +137,7 @@ class Candidate:
         if self.compile != "none":
             parts.append("compile")
         if self.checkpoint:
-            parts.append(f"ckpt:{self.checkpoint}")
+            parts.append(f"ckpt:{self.checkpoint_label}")
         if self.accumulate > 1:
             parts.append(f"acc{self.accumulate}")
         if self.data_parallel:
@@ -121,14 +145,19 @@ class Candidate:
         return "+".join(parts)
 
     @property
+    def checkpoint_label(self) -> str | None:
+        """None, 'blocks', 'selective', or 'blocks/2' for every other block."""
+        return checkpoint_label(self.checkpoint, self.checkpoint_every)
+
+    @property
     def dp_label(self) -> str:
         """'compression:bucket', e.g. 'powersgd:5MB' ('none' for no compression)."""
         return f"{self.compression or 'none'}:{self.bucket_mb:g}MB"
 
     def settings(self) -> dict:
-        """The axis values, for reports."""
+        """The axis values as labels, for reports (``config()`` has the Config's own values)."""
         out = {"precision": self.precision, "fusion": fusion_label(self.fusion), "compile": self.compile,
-               "checkpoint": self.checkpoint, "accumulate": self.accumulate, "micro_batch": self.micro_batch}
+               "checkpoint": self.checkpoint_label, "accumulate": self.accumulate, "micro_batch": self.micro_batch}
         if self.data_parallel:
             out.update(compression=self.compression, bucket_mb=self.bucket_mb)
         return out
@@ -141,29 +170,44 @@ class Candidate:
 
             dp = DataParallelConfig(compression=self.compression, bucket_mb=self.bucket_mb)
         return Config(precision=self.precision, fuse=self.fusion, compile=self.compile != "none",
-                      checkpoint=self.checkpoint, accumulate=self.accumulate, data_parallel=dp)
+                      checkpoint=self.checkpoint, checkpoint_every=self.checkpoint_every, accumulate=self.accumulate,
+                      data_parallel=dp)
 
 
 def enumerate_space(batch_rows: int, *, precisions=PRECISION_VALUES, fusions=FUSION_VALUES,
-                    compiles=COMPILE_VALUES, checkpoints=CHECKPOINT_MODES, accumulates=ACCUMULATE_VALUES
+                    compiles=COMPILE_VALUES, checkpoints=CHECKPOINT_VALUES, accumulates=ACCUMULATE_VALUES
                     ) -> list[Candidate]:
     """Every combination of the compute axes, the baseline first; nothing is pruned here (prune.py does that).
 
-    Accumulation values that do not divide ``batch_rows`` are kept, so the report can say why they
-    were dropped. The data-parallel axes are not crossed with these: ``enumerate_dp_space`` spans
-    them for the recipe this search picks (crossing them would multiply the space by 10 and measure
-    the exchange of recipes that lost on compute).
+    ``checkpoints``: each value a mode (None, 'blocks', 'selective': every block) or a (mode,
+    every) pair. Accumulation values that do not divide ``batch_rows`` are kept, and so are
+    checkpoint_every values that pick the same blocks as a smaller one on the model's block count
+    (prune.py knows the count), so the report can say why they were dropped. The data-parallel axes
+    are not crossed with these: ``enumerate_dp_space`` spans them for the recipe this search picks
+    (crossing them would multiply the space by 10 and measure the exchange of recipes that lost on
+    compute).
     """
     check_number("batch_rows", batch_rows, integer=True, minimum=1)
     for name, values in (("precisions", precisions), ("fusions", fusions), ("compiles", compiles),
                          ("checkpoints", checkpoints), ("accumulates", accumulates)):
         if not values:
             raise ConfigError(f"the tune space axis {name} is empty; give it at least one value")
-    out = [Candidate(precision, tuple(fusion), comp, ckpt, acc, batch_rows)
-           for precision, fusion, comp, ckpt, acc in itertools.product(precisions, fusions, compiles, checkpoints,
-                                                                       accumulates)]
+    checkpoints = [_checkpoint_value(v) for v in checkpoints]
+    out = [Candidate(precision, tuple(fusion), comp, mode, acc, batch_rows, checkpoint_every=every)
+           for precision, fusion, comp, (mode, every), acc in itertools.product(precisions, fusions, compiles,
+                                                                                 checkpoints, accumulates)]
     out.sort(key=lambda c: not c.is_baseline)  # stable: the baseline first, the rest in product order
     return out
+
+
+def _checkpoint_value(value) -> tuple[str | None, int]:
+    """A checkpoint axis value as (mode, every), validated as the Config would take it."""
+    if isinstance(value, (tuple, list)) and len(value) != 2:
+        raise ConfigError(f"checkpoint axis value {value!r} is not valid; give a mode (None, 'blocks', 'selective') "
+                          "or a (mode, every) pair such as ('blocks', 2)")
+    mode, every = value if isinstance(value, (tuple, list)) else (value, 1)
+    Config(checkpoint=mode, checkpoint_every=every)  # a ConfigError listing the valid choices
+    return mode, every
 
 
 def enumerate_dp_space(recipe: Candidate, *, compressions=COMPRESSIONS, bucket_mbs=BUCKET_MB_VALUES
