@@ -315,6 +315,19 @@ def test_cached_peak_is_reused_unless_a_fresh_probe_disagrees_by_over_ten_percen
     assert peak.matmul_peak("fp32", "cpu", model)["source"] == "cached"  # the new figure was cached
 
 
+def test_a_busy_re_measurement_does_not_lower_the_cached_peak(fake_gemms):
+    model = [Gemm(64, 32, 128)]
+    assert peak.matmul_peak("fp32", "cpu", model)["value"] == 120.0
+    fake_gemms["probe"], fake_gemms["trials"] = 80.0, [90.0]  # -20%: measured again, and slower: busy now
+    busy = peak.matmul_peak("fp32", "cpu", model)
+    assert busy["value"] == 120.0 and busy["source"] == "cached"
+    assert "below the cached maximum" in busy["reason"]
+    fake_gemms["trials"] = [150.0]  # still a low probe, but the shapes ran faster: the higher figure wins
+    assert peak.matmul_peak("fp32", "cpu", model)["value"] == 150.0
+    fake_gemms["trials"] = [90.0]
+    assert peak.matmul_peak("fp32", "cpu", model, force=True)["value"] == 90.0  # forced: the maximum is dropped
+
+
 # ------------------------------------------------------------------------- real worker processes
 def test_failing_and_hanging_rows_become_errors(plugin, tmp_path):
     specs = {name: WorkerSpec(workload="gpt", config=name, device="cpu", warmup=0, val_batches=1,

@@ -11,7 +11,9 @@ by device, GPU, dtype, CPU model and matmul features, torch version, thread coun
 Every ladder first runs a quick probe (the square shape, a few short trials) and compares it with
 the probe recorded when the cached peak was measured: if the two differ by more than
 PROBE_TOLERANCE, the machine is not the one the cache describes (busier then, or now, or changed)
-and the peak is measured again. ``force=True`` (``TURBOTRAIN_REMEASURE=1``) always re-measures.
+and the peak is measured again. A re-measurement that comes out below the cached peak while the
+probe is also lower keeps the cached peak: the machine is busier now, and a maximum is only ever
+lowered by asking (``force``). ``force=True`` (``TURBOTRAIN_REMEASURE=1``) always re-measures.
 
 turbotrain.hardware's ``measure_matmul_peak`` (``turbotrain env``) is the square shape alone, timed
 with the same trials (hardware.timed_trials); the ladder keeps it in its header for comparison only.
@@ -171,6 +173,11 @@ def matmul_peak(dtype: str, device: str, model_gemms, *, force: bool = False,
     else:
         reason = "asked to re-measure" if cached else "not cached"
     entry = _measure(dtype, device, gemms, probe, settings)
+    if cached and not force and probe < cached["probe"] and cached["value"] > entry["value"]:
+        # slower now than when the cache was written: a busy moment, which must not lower a maximum
+        return {**cached, **now, "source": "cached",
+                "reason": f"{reason}: {entry['value'] / 1e9:.1f} GFLOP/s now, below the cached maximum, which "
+                          "stands (a busy machine lowers a measurement, never the peak)"}
     table[key] = entry
     _save_cache(table)
     return {**entry, **now, "source": "measured", "reason": reason}
