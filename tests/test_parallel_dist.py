@@ -364,6 +364,125 @@ def sc_engine_fp16(info, shared):
             "losses": [s.loss.item() for s in stats], "sharded": _all_dtensors(engine.module)}
 
 
+# -- built on the meta device: sharded first, then each rank allocates and initialises its shards ----
+def gpt_init(model):
+    """docs/parallel.md's recipe for gpt: what GPT.__init__ ran, torch's resets and then its own init."""
+    from turbotrain.parallel import reset_parameters
+
+    reset_parameters(model)
+    model._init_weights(len(model.blocks))
+
+
+def meta_gpt(**kw):
+    wl = workload(**kw)
+    with torch.device("meta"):
+        model = wl.build_model()
+    torch.manual_seed(wl.settings["init_seed"])  # the workload builds under its own seed (seeded_build)
+    return wl, model
+
+
+def full_buffers(model):
+    return {n: b.detach().clone() for n, b in model.named_buffers()}
+
+
+def sc_meta_gpt(info, shared):
+    """A user's fused AdamW built over the meta parameters, bound to the shards the Engine allocated."""
+    from turbotrain import Config, Engine
+
+    wl, model = meta_gpt()
+    meta_params = list(model.parameters())
+    user_opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
+    engine = Engine(model, user_opt, wl.loss_fn, config=Config(parallel=cfg(), device="cpu"), init_weights=gpt_init)
+    initial = full_params(engine.module)
+    held = [p for g in user_opt.param_groups for p in g["params"]]
+    losses = [engine.step(rows(b, info["rank"])).loss.item() for b in text_batches()]
+    return {"initial": initial, "losses": losses, "params": full_params(engine.module),
+            "same_optimizer": engine.optimizer is user_opt, "sharded": _all_dtensors(engine.module),
+            "bound": [id(p) for p in held] == [id(p) for p in engine.module.parameters()],
+            "meta_left": any(p.is_meta for p in held) or bool({id(p) for p in held} & {id(p) for p in meta_params}),
+            "notes": engine.plan.notes}
+
+
+def sc_meta_memory(info, shared):
+    """CPU bytes allocated (net of frees, at their peak) while the Engine shards and initialises a meta gpt
+    (with activation checkpointing, which wraps the blocks before they are sharded and materialised)."""
+    from turbotrain import Config, Engine
+    from turbotrain.memory import checkpointed_blocks
+    from turbotrain.memory.measure import step_tensor_peak
+
+    wl, model = meta_gpt(d=128, n_layer=4)
+    full = sum(p.numel() * p.element_size() for p in model.parameters())
+    largest = max(sum(p.numel() * p.element_size() for p in m.parameters(recurse=False)) for m in model.modules())
+    made = []
+
+    def build():
+        config = Config(parallel=cfg(), checkpoint="blocks", device="cpu")
+        made.append(Engine(model, lambda params: torch.optim.AdamW(params, lr=LR), wl.loss_fn, config=config,
+                           init_weights=gpt_init))
+
+    peak = step_tensor_peak(build)
+    engine = made[0]
+    shards = sum(p.to_local().numel() * p.element_size() for p in engine.module.parameters())
+    initial = full_params(engine.module)
+    loss = engine.step(rows(text_batches(n=1)[0], info["rank"])).loss.item()  # the factory's optimizer steps
+    return {"peak": peak, "full": full, "largest": largest, "shards": shards, "loss": loss,
+            "n_params": len(initial), "initial": initial, "checkpointed": len(checkpointed_blocks(engine.module))}
+
+
+def sc_meta_hf(info, shared):
+    """HF Llama from its config on the meta device, initialised the Hugging Face way, its own loss."""
+    from hf_models import build
+
+    from turbotrain import Config, Engine
+    from turbotrain.parallel import hf_init_weights
+
+    with torch.device("meta"):
+        model = build("llama")  # seeds, then builds: nothing is drawn on the meta device
+    torch.manual_seed(0)
+    engine = Engine(model, lambda params: torch.optim.AdamW(params, lr=LR), config=Config(parallel=cfg(), device="cpu"),
+                    init_weights=hf_init_weights)
+    initial, buffers = full_params(engine.module), full_buffers(engine.module)
+    losses = [engine.step(rows(b, info["rank"])).loss.item() for b in hf_batches()]
+    return {"initial": initial, "buffers": buffers, "losses": losses, "params": full_params(engine.module)}
+
+
+def sc_meta_hsdp(info, shared):
+    """dp_replicate=2 x dp_shard=1: each parameter placed (Replicate(), Shard(0)), every rank holding all of it."""
+    from turbotrain import Config, Engine
+
+    wl, model = meta_gpt()
+    engine = Engine(model, lambda params: torch.optim.AdamW(params, lr=LR), wl.loss_fn,
+                    config=Config(parallel=cfg(dp_replicate=2, dp_shard=1), device="cpu"), init_weights=gpt_init)
+    placements = {str(p.placements) for p in engine.module.parameters()}
+    return {"initial": full_params(engine.module), "placements": placements}
+
+
+def sc_meta_load(info, shared):
+    """sc_engine's sharded checkpoint loaded into a gpt built on the meta device (Engine.load)."""
+    from turbotrain import Config, Engine
+
+    wl, model = meta_gpt()
+    engine = Engine.load(os.path.join(shared["root"], "engine-ckpt"), model,
+                         lambda params: torch.optim.AdamW(params, lr=LR), wl.loss_fn,
+                         config=Config(parallel=cfg(), device="cpu"), init_weights=gpt_init)
+    loaded = full_params(engine.module)  # set up in Engine(...) (no fusion), so loaded already
+    engine.step(rows(text_batches(n=1)[0], info["rank"]))
+    return {"loaded": loaded, "steps": engine.steps}
+
+
+def sc_meta_without_tape(info, shared):
+    """The transform driven by hand on a meta model, with nothing recorded: refused before any collective."""
+    from turbotrain import MetaInitError
+
+    with torch.device("meta"):
+        model = workload().build_model()
+    try:
+        drive(model, cfg())
+    except MetaInitError as exc:
+        return {"error": str(exc)}
+    return {"error": None}
+
+
 # -- nan_check on sharded runs: an inf/NaN that one rank sees, and every rank stops alike ----------
 def _nan_engine(info, parallel, precision="fp32", nan_loss_rank=None):
     """An Engine with nan_check whose first loss is NaN on ``nan_loss_rank`` alone."""
@@ -453,7 +572,8 @@ def _all_dtensors(model) -> bool:
 
 SCENARIOS = [sc_fsdp, sc_fsdp_memory, sc_fsdp_zero2_checkpointing, sc_fsdp_accumulate, sc_fsdp_bf16,
              sc_found_inf, sc_tp_gpt, sc_sp_gpt, sc_sp_gpt_bf16, sc_sp_llama, sc_tp_hf, sc_sp_hf, sc_ckpt_from_single,
-             sc_ckpt_to_ddp, sc_ckpt_tp, sc_engine, sc_engine_bf16_fused, sc_engine_checkpoint_every, sc_engine_fp16]
+             sc_ckpt_to_ddp, sc_ckpt_tp, sc_engine, sc_engine_bf16_fused, sc_engine_checkpoint_every, sc_engine_fp16,
+             sc_meta_gpt, sc_meta_memory, sc_meta_hf, sc_meta_hsdp, sc_meta_load, sc_meta_without_tape]
 
 
 # -- spawning -------------------------------------------------------------------------------------
@@ -786,6 +906,69 @@ def test_sequence_parallel_in_bf16_matches_one_process(ranks, gpt_ref):
     for r in result(ranks, "sc_sp_gpt_bf16"):
         # bf16 matmuls (8 mantissa bits) over d=64: the loss moves by well under 1%.
         torch.testing.assert_close(r["losses"], gpt_ref["losses"], rtol=1e-2, atol=0)
+
+
+def test_meta_gpt_sharded_by_the_engine_is_the_eager_gpt_and_trains_like_it(ranks, gpt_ref):
+    res = result(ranks, "sc_meta_gpt")
+    torch.manual_seed(0)
+    eager = {n: p.detach() for n, p in workload().build_model().named_parameters()}
+    for r in res:
+        assert_params_close(r["initial"], eager, rtol=0, atol=0)  # the same draws: exactly the eager build
+        assert r["sharded"] and r["same_optimizer"] and r["bound"] and not r["meta_left"]
+        assert any("built on the meta device" in n for n in r["notes"])
+        assert_params_close(r["params"], gpt_ref["params"])
+    mean_losses = [sum(r["losses"][s] for r in res) / WORLD for s in range(STEPS)]
+    torch.testing.assert_close(mean_losses, gpt_ref["losses"], rtol=1e-5, atol=1e-6)
+
+
+def test_meta_materialisation_allocates_the_shards_and_one_module_at_a_time(ranks):
+    res = result(ranks, "sc_meta_memory")
+    torch.manual_seed(0)
+    eager = {n: p.detach() for n, p in workload(d=128, n_layer=4).build_model().named_parameters()}
+    for r in res:
+        assert_params_close(r["initial"], eager, rtol=0, atol=0)
+        assert torch.isfinite(torch.tensor(r["loss"])) and r["checkpointed"] == 4
+        # The rank's shards, one whole parameter while it is initialised (bounded by the largest module's),
+        # and small change: each parameter's last draw keeps the CPU generator's state (5056 bytes) until it
+        # is replayed, the mesh's tensors, FSDP's bookkeeping.
+        margin = 5056 * r["n_params"] + 64 * 1024
+        assert r["peak"] <= r["shards"] + r["largest"] + margin, r
+        assert r["shards"] <= 0.51 * r["full"] and r["peak"] <= 0.7 * r["full"], r  # an eager build peaks at full
+
+
+def test_meta_hf_llama_sharded_by_the_engine_is_the_eager_model_and_trains_like_it(ranks):
+    pytest.importorskip("transformers")
+    res = result(ranks, "sc_meta_hf")
+    eager = hf_llama()
+    # Each rank's rows have their own count of padded labels: the reference takes the mean of the two
+    # halves' losses (accumulate=2), which is what the ranks' mean loss and FSDP's averaged gradients are.
+    ref = reference(hf_llama(), hf_batches(), accumulate=2)
+    for r in res:
+        assert_params_close(r["initial"], {n: p.detach() for n, p in eager.named_parameters()}, rtol=0, atol=0)
+        assert_params_close(r["buffers"], dict(eager.named_buffers()), rtol=0, atol=0)  # RoPE's inv_freq
+        assert_params_close(r["params"], ref["params"], rtol=1e-3, atol=5e-4)  # as the tensor-parallel HF tests
+    mean_losses = [sum(r["losses"][s] for r in res) / WORLD for s in range(STEPS)]
+    torch.testing.assert_close(mean_losses, ref["losses"], rtol=1e-5, atol=1e-6)
+
+
+def test_meta_hsdp_replicated_placements_get_the_whole_parameter(ranks):
+    torch.manual_seed(0)
+    eager = {n: p.detach() for n, p in workload().build_model().named_parameters()}
+    for r in result(ranks, "sc_meta_hsdp"):
+        assert r["placements"] == {"(Replicate(), Shard(dim=0))"}
+        assert_params_close(r["initial"], eager, rtol=0, atol=0)
+
+
+def test_meta_model_resumes_a_sharded_checkpoint(ranks):
+    saved = result(ranks, "sc_engine")[0]["params"]
+    for r in result(ranks, "sc_meta_load"):
+        assert_params_close(r["loaded"], saved, rtol=0, atol=0)
+        assert r["steps"] == STEPS + 1
+
+
+def test_meta_model_sharded_without_a_recorded_init_is_refused(ranks):
+    for r in result(ranks, "sc_meta_without_tape"):
+        assert r["error"] and "init_weights" in r["error"] and "record_init" in r["error"]
 
 
 def _nan_errors(nan_ranks, name):

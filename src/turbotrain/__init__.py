@@ -14,7 +14,7 @@ from .engine import Engine, StepStats
 from .guards import GuardConfig, PrecisionDriftError, PrecisionDriftWarning
 from .parallel.config import ParallelConfig
 from .errors import (
-    CheckpointError, ConfigError, DistributedError, FusionError, HardwareError, LossScaleError,
+    CheckpointError, ConfigError, DistributedError, FusionError, HardwareError, LossScaleError, MetaInitError,
     TurbotrainError, UnknownWorkloadError,
 )
 from .precision.config import LossScaleConfig
@@ -36,7 +36,7 @@ __all__ = [
     "GuardConfig", "PrecisionDriftWarning",
     # errors
     "TurbotrainError", "ConfigError", "UnknownWorkloadError", "CheckpointError", "HardwareError",
-    "DistributedError", "LossScaleError", "FusionError", "PrecisionDriftError",
+    "DistributedError", "LossScaleError", "FusionError", "MetaInitError", "PrecisionDriftError",
 ]
 
 

@@ -27,7 +27,7 @@ from torch import nn
 from . import checkpoint as ckpt
 from .batch import Batch, ContractCall, LossContract, as_batch, check_loss, pad_to_bucket
 from .config import Config
-from .errors import CheckpointError, ConfigError, DistributedError, HardwareError, TurbotrainError
+from .errors import CheckpointError, ConfigError, DistributedError, HardwareError, MetaInitError, TurbotrainError
 from .guards import Guards, ShadowCheck, StepSkipped
 from .optim_layout import bind_optimizer, check_optimizer_params, load_stock_state_dict, stock_state_dict
 from .plan import ApplyContext, ModelPlan, StepContext, Transform, find_head
@@ -114,6 +114,11 @@ class Engine:
     transforms. ``scheduler`` likewise: an LR scheduler bound to that optimizer, or a factory
     ``lambda optimizer: ...``. Batches follow the contract in :mod:`turbotrain.batch`.
 
+    A model built under ``torch.device("meta")`` (with ``Config(parallel=...)``) is sharded before any
+    weight exists, and each rank allocates only its shards. ``init_weights(model)`` is what its eager
+    build ran to initialise it (by default ``turbotrain.parallel.reset_parameters``: torch's own), and
+    the shards get exactly those values (docs/parallel.md, "Building on the meta device").
+
     >>> import torch, turbotrain
     >>> model = torch.nn.Linear(8, 2)
     >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -127,7 +132,8 @@ class Engine:
     """
 
     def __init__(self, model: nn.Module, optimizer: OptimizerArg, loss_fn: Optional[Callable] = None,
-                 config: Config | None = None, scheduler=None):
+                 config: Config | None = None, scheduler=None,
+                 init_weights: Optional[Callable[[nn.Module], None]] = None):
         if not isinstance(model, nn.Module):
             raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(optimizer, torch.optim.Optimizer) and not callable(optimizer):
@@ -154,6 +160,7 @@ class Engine:
 
         device = _resolve_device(config.device)
         self.transforms = build_transforms(config, device)
+        meta = self._record_meta_init(model, init_weights)  # before place(): its refusals need no process group
         for t in self.transforms:
             device = t.place(device)
         self.device = device
@@ -161,7 +168,7 @@ class Engine:
         self.guards: Guards | None = self._transform("guards")
         """The guards (Config(guards=...)): ``engine.guards.last`` is the latest FP32 shadow check."""
         self.plan = ModelPlan()
-        self.module = model.to(device)
+        self.module = model if meta else model.to(device)  # a meta model is allocated shard by shard at set-up
         """The model itself (unwrapped from DDP and compile); its state_dict is the stock layout."""
         self.model = self.module
         """What a forward pass calls (DDP-wrapped once set up)."""
@@ -175,6 +182,22 @@ class Engine:
             self._setup(None)
 
     # -- set-up --------------------------------------------------------------------------------
+    def _record_meta_init(self, model: nn.Module, init_weights) -> bool:
+        """A model built on the meta device: check the Config can materialise it and record its init, drawing
+        from the global generator now, as its eager build would have (docs/parallel.md, "Building on the meta
+        device"). False for a model with real weights."""
+        if not any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+            if init_weights is not None:
+                raise MetaInitError("init_weights= initialises a model built on the meta device, but this model's "
+                                    "weights are real already; drop init_weights, or build the model under "
+                                    "torch.device('meta') to have each rank allocate only its shards")
+            return False
+        from .parallel.meta_init import check_meta_config, record_init
+
+        check_meta_config(self.config)
+        self._transform("parallel").meta_init = record_init(model, init_weights)
+        return True
+
     def _transform(self, name: str):
         return next((t for t in self.transforms if t.name == name), None)
 
@@ -608,14 +631,17 @@ class Engine:
         self._load_after_setup(state)
 
     @classmethod
-    def load(cls, path, model, optimizer, loss_fn=None, config: Config | None = None, scheduler=None) -> "Engine":
-        """Build an Engine around a fresh model/optimizer and restore ``path`` into it."""
+    def load(cls, path, model, optimizer, loss_fn=None, config: Config | None = None, scheduler=None,
+             init_weights=None) -> "Engine":
+        """Build an Engine around a fresh model/optimizer and restore ``path`` into it. A model built on the
+        meta device is initialised (``init_weights``; buffers the checkpoint does not hold need it) and then
+        loaded."""
         if Path(path).is_dir():  # a sharded checkpoint (parallel training)
-            engine = cls(model, optimizer, loss_fn, config=config, scheduler=scheduler)
+            engine = cls(model, optimizer, loss_fn, config=config, scheduler=scheduler, init_weights=init_weights)
             engine.load_sharded(path)
             return engine
         state = ckpt.load_checkpoint(path)
-        engine = cls(model, optimizer, loss_fn, config=config, scheduler=scheduler)
+        engine = cls(model, optimizer, loss_fn, config=config, scheduler=scheduler, init_weights=init_weights)
         engine.load_state_dict(state)
         return engine
 

@@ -16,6 +16,7 @@ __all__ = [
     "DistributedError",
     "LossScaleError",
     "FusionError",
+    "MetaInitError",
     "CheckpointWarning",
     "check_choice",
     "check_bool",
@@ -58,6 +59,11 @@ class LossScaleError(TurbotrainError):
 
 class FusionError(TurbotrainError):
     """A fusion pattern or fused module was asked for in a way that cannot work."""
+
+
+class MetaInitError(ConfigError):
+    """A model built on the meta device cannot be materialised as asked (docs/parallel.md, "Building on the
+    meta device")."""
 
 
 def check_choice(name: str, value, choices) -> None:

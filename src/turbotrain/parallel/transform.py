@@ -6,7 +6,8 @@ checkpointing (which it shards as they left the model) and before precision:
     place(device)   the process group from the launcher's variables, this rank's GPU, the mesh
     apply(...)      rank 0's weights to every rank; tensor parallel over "tp"
                     (tp_plans.py); fully_shard on each norm (FP32), each block and the root over
-                    "dp_shard" (with "dp_replicate": HSDP)
+                    "dp_shard" (with "dp_replicate": HSDP); a model built on the meta device is
+                    sharded there, then each rank allocates and initialises its shards (meta_init.py)
     accumulate      set_requires_gradient_sync(closes_step): one reduce-scatter per optimizer step
     before step     the fp16 inf/NaN flag agreed across every rank (MAX)
 
@@ -88,12 +89,14 @@ def mixed_precision_policies(low: torch.dtype | None):
 
 def _broadcast_from_rank0(model: nn.Module) -> None:
     # FSDP cuts each rank's own copy of a weight into shards; ranks that initialised differently (an
-    # unseeded model) would train a model nobody built. DDP broadcasts for the same reason.
+    # unseeded model) would train a model nobody built. DDP broadcasts for the same reason. A meta
+    # tensor has nothing to send: every rank replays the same recorded init (meta_init.py).
     import torch.distributed as dist
 
     with torch.no_grad():
         for tensor in [*model.parameters(), *model.buffers()]:
-            dist.broadcast(tensor.data, src=0)
+            if not tensor.is_meta:
+                dist.broadcast(tensor.data, src=0)
 
 
 def _norm_modules(model: nn.Module, norm_params: set) -> list[nn.Module]:
@@ -130,6 +133,9 @@ class ParallelTransform(Transform):
         self.layout = None
         """The tensor-parallel layout used (tp > 1)."""
         self._low: torch.dtype | None = None
+        self.meta_init = None
+        """A model built on the meta device: the InitTape (meta_init.record_init) that apply replays into
+        each rank's shards. The Engine records it when it is given the model."""
 
     # -- before the model moves ----------------------------------------------------------------
     def place(self, device: torch.device) -> torch.device:
@@ -151,6 +157,7 @@ class ParallelTransform(Transform):
     def apply(self, model: nn.Module, plan: ModelPlan, ctx: ApplyContext) -> None:
         if self.mesh is None:
             self.place(ctx.device)
+        self._check_meta(model)
         self._low = ctx.dtype
         layout = None
         if self.degrees.tp > 1:
@@ -181,12 +188,33 @@ class ParallelTransform(Transform):
         if layout is not None:
             self._tensor_parallel(model, layout, plan)
         self._fully_shard(model, plan, norm_modules)
+        if self.meta_init is not None:
+            self._materialise(model, plan, ctx.device)
         after = dict(model.named_parameters())
         for name, p in before.items():
             plan.master_of[p] = after[name]  # the FP32 shard the optimizer steps stands for the parameter
         plan.norm_params = {after[n] for n in norms_before}
         plan.sharded = True
         plan.mesh = self.mesh
+
+    def _check_meta(self, model: nn.Module) -> None:
+        from ..errors import MetaInitError
+        from .meta_init import has_meta_tensors
+
+        if self.meta_init is None and has_meta_tensors(model):
+            raise MetaInitError("the model is on the meta device, but nothing recorded how to initialise it; pass it "
+                                "to Engine(model, ..., init_weights=fn), or set ParallelTransform.meta_init = "
+                                "turbotrain.parallel.record_init(model, fn) before apply")
+        if self.meta_init is not None and (self.degrees.tp > 1 or self.degrees.cp > 1):
+            raise MetaInitError(f"a model built on the meta device with tp={self.degrees.tp}, cp={self.degrees.cp} is "
+                                "not supported yet (FSDP2 and HSDP alone are); set tp=1 and cp=1")
+
+    def _materialise(self, model: nn.Module, plan: ModelPlan, device: torch.device) -> None:
+        tape, self.meta_init = self.meta_init, None  # its constants are not kept past this
+        full = tape.nbytes()
+        tape.materialise(model, device)
+        plan.notes.append(f"parallel: built on the meta device; each rank allocated its shards and initialised them "
+                          f"one whole parameter at a time ({full / 2**20:.1f} MiB unsharded)")
 
     def _tensor_parallel(self, model: nn.Module, layout, plan: ModelPlan) -> None:
         from torch.distributed.tensor.parallel import parallelize_module
