@@ -137,5 +137,5 @@ def test_the_step_profile_keeps_every_gemm_with_its_calls(monkeypatch, tmp_path)
     assert len(step.gemms) == 1 and step.gemms[0] == step.gemm_calls[0][0]
     # two Linears: forward (addmm) and the weight gradients; the input gradient only for the second
     assert sum(calls for _, calls in step.gemm_calls) == 5
-    real = measure_floor(step.gemm_calls, "fp32", "cpu", settings=ceiling.FloorSettings(trials=2, trial_seconds=0.001))
+    real = measure_floor(step.gemm_calls, "fp32", "cpu", settings=ceiling.PeakSettings(trials=2, trial_seconds=0.001))
     assert real["seconds"] > 0 and len(real["gemms"]) == len(step.gemm_calls)

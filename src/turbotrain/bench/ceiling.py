@@ -25,10 +25,10 @@ import math
 from dataclasses import asdict, dataclass
 
 from .flops import Gemm
-from .peak import best_gemm_flops
+from .peak import PeakSettings, best_gemm_flops
 from .stats import slow_dtypes
 
-__all__ = ["Targets", "TARGETS", "FloorSettings", "measure_floor", "floor_dtypes", "check_targets",
+__all__ = ["Targets", "TARGETS", "FLOOR_SETTINGS", "measure_floor", "floor_dtypes", "check_targets",
            "target_lines", "floor_text", "FLOOR_METHOD"]
 
 
@@ -47,12 +47,8 @@ class Targets:
 TARGETS = Targets()
 
 
-@dataclass(frozen=True)
-class FloorSettings:
-    trials: int = 5
-    trial_seconds: float = 0.05
-    shape_seconds: float = 1.0
-    """A shape whose trials pass this long stops after two (the lm head at long T on a CPU)."""
+#: The floor's trials: the peak's (best of 5, each >= 50 ms), giving up sooner on a slow shape.
+FLOOR_SETTINGS = PeakSettings(shape_seconds=1.0)
 
 
 FLOOR_METHOD = ("each GEMM shape the plain model's fp32 forward + backward dispatched (mm, addmm, bmm, baddbmm; "
@@ -71,7 +67,7 @@ def floor_dtypes(dtypes, environment: dict) -> list[str]:
 
 
 def measure_floor(gemm_calls, dtype: str, device: str, probe: float = 0.0,
-                  settings: FloorSettings = FloorSettings()) -> dict:
+                  settings: PeakSettings = FLOOR_SETTINGS) -> dict:
     """``{"seconds", "gemms": [{label, calls, seconds_each, flops_per_s}]}``: the step's GEMMs at
     their best speed in ``dtype``, heaviest first. ``probe`` is this run's square-GEMM probe
     (peak.matmul_peak's ``probe_now``): it decides whether the speeds a previous run cached still
