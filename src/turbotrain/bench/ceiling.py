@@ -72,8 +72,7 @@ def measure_floor(gemm_calls, dtype: str, device: str, probe: float = 0.0,
     their best speed in ``dtype``, heaviest first. ``probe`` is this run's square-GEMM probe
     (peak.matmul_peak's ``probe_now``): it decides whether the speeds a previous run cached still
     describe this machine (peak.best_gemm_flops keeps the faster of the two)."""
-    speeds = best_gemm_flops([g for g, _ in gemm_calls], dtype, device, probe, trials=settings.trials,
-                             trial_seconds=settings.trial_seconds, shape_seconds=settings.shape_seconds)
+    speeds = best_gemm_flops([g for g, _ in gemm_calls], dtype, device, probe, settings)
     rows, total = [], 0.0
     for gemm, calls in gemm_calls:
         seconds = gemm.flops / speeds[gemm.label]

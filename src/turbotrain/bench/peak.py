@@ -190,8 +190,8 @@ def matmul_peaks(dtypes, device: str, model_gemms, *, force: bool = False,
     return {"flops": {d: v["value"] for d, v in detail.items()}, "detail": detail, "method": peak_method(settings)}
 
 
-def best_gemm_flops(gemms, dtype: str, device: str, probe: float, *, trials: int, trial_seconds: float,
-                    shape_seconds: float = math.inf, force: bool = False) -> dict[str, float]:
+def best_gemm_flops(gemms, dtype: str, device: str, probe: float, settings: PeakSettings = PeakSettings(), *,
+                    force: bool = False) -> dict[str, float]:
     """The best FLOP/s of each of ``gemms`` in ``dtype``: this run's best trial, or the best a
     previous run recorded under the same machine key, whichever is higher.
 
@@ -210,7 +210,7 @@ def best_gemm_flops(gemms, dtype: str, device: str, probe: float, *, trials: int
         cached = {"probe": probe, "flops": {}}
     best = {}
     for g in gemms:
-        fresh = max(measure_gemm(g, dtype, device, trials, trial_seconds, shape_seconds))
+        fresh = max(measure_gemm(g, dtype, device, settings.trials, settings.trial_seconds, settings.shape_seconds))
         best[g.label] = max(fresh, cached["flops"].get(g.label, 0.0))
     table[key] = {"probe": max(probe, cached["probe"]), "flops": best,
                   "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
