@@ -432,6 +432,9 @@ def test_quick_results_schema(quick_run):
         params = sum(p.numel() for p in get_workload("gpt", **QUICK_OVERRIDES["gpt"]).build_model().parameters())
         assert 16 * params <= detail["tensor_peak_bytes"] < detail["peak_memory_bytes"]
         assert by[(config, "tensor_peak")]["median"] == detail["tensor_peak_bytes"]
+        split = detail["step_split"]  # a few more steps profiled: a GEMM model's step is mostly GEMMs
+        assert split["gemm"] > 0 and split["optimizer"] > 0 and split["step"] >= split["gemm"] + split["optimizer"]
+        assert detail["page_faults_per_step"] >= 0
     assert "max_memory_allocated" in header["tensor_memory_method"]
     assert by[("fp32-eager", "throughput")]["ratio_vs_ref"] == pytest.approx(1.0)
     assert by[("fp32-eager", "throughput")]["ratio_ci95"] == pytest.approx([1.0, 1.0])

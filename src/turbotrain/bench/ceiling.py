@@ -17,6 +17,11 @@ the optimizer step and every elementwise op come on top of the floor, and a row 
 (checkpointing) repeats GEMMs the floor counts once. A row that merges GEMMs (fused QKV) runs the
 same FLOPs in fewer, larger calls and can beat the floor by the few percent a larger shape runs
 faster; the ceiling says so rather than hiding it.
+
+What the rows' GEMMs cost *inside* the step comes next to it (bench/split.py, profiled in each
+row's worker): in a step the same GEMMs run slower than alone (fresh pages for their outputs,
+operands evicted by the ops between them), and the split says by how much, how long the attention
+kernels and the optimizer take, and what is left.
 """
 
 from __future__ import annotations
@@ -180,8 +185,13 @@ def _ceiling(header: dict, reference: dict, rows: dict) -> dict | None:
         step = config["metrics"]["step_time"]["median"]
         out["rows"][name] = {"compute_dtype": config["compute_dtype"], "step_seconds": step,
                              "gemm_floor_seconds": floor["seconds"], "rest_seconds": step - floor["seconds"],
-                             "ceiling_vs_ref": ref_step / floor["seconds"]}
-    return out if out["rows"] else None
+                             "ceiling_vs_ref": ref_step / floor["seconds"],
+                             "split": config.get("step_split"),  # bench/split.py: measured inside the step
+                             "page_faults_per_step": config.get("page_faults_per_step")}
+    if out["rows"]:
+        out["malloc_tuned"] = bool(header["environment"].get("malloc_env"))
+        return out
+    return None
 
 
 def target_lines(verdict: dict | None) -> list[str]:
@@ -202,6 +212,10 @@ def target_lines(verdict: dict | None) -> list[str]:
                          f"{r['gemm_floor_seconds']:.3f} s of GEMMs at their best speed ({share:.0%}) + "
                          f"{r['rest_seconds']:.3f} s of everything else (attention kernels, the loss, the optimizer, "
                          f"elementwise work, GEMMs below their best)")
+            lines.extend(_split_lines(r, ceiling.get("malloc_tuned", False)))
+        if not any(r.get("split") for r in ceiling["rows"].values()):
+            lines.append("  (the split inside the step is measured on CPU rows only: on CUDA the host's op times "
+                         "say when kernels were queued, not how long they ran)")
         row = verdict.get("row")
         best = ceiling["rows"].get(row) if row else None
         if best:
@@ -219,6 +233,28 @@ def target_lines(verdict: dict | None) -> list[str]:
                              f"{needed - best['gemm_floor_seconds']:.3f} s for everything but the GEMMs at their "
                              f"best{spent}")
     lines.extend(f"  note: {n}" for n in verdict["notes"])
+    return lines
+
+
+#: GEMMs this much slower in the step than at their floor, with this many page faults a step, get the
+#: allocator hint (a step that maps its buffers afresh pays for it inside the GEMMs that write them).
+SLOW_GEMMS, MANY_FAULTS = 1.10, 2000
+
+
+def _split_lines(row: dict, malloc_tuned: bool) -> list[str]:
+    split, faults = row.get("split"), row.get("page_faults_per_step")
+    if not split:
+        return []
+    gemm, floor = split["gemm"], row["gemm_floor_seconds"]
+    line = (f"    inside the step (profiled: {split['step']:.3f} s a step): GEMMs {gemm:.3f} s ({gemm / floor:.2f}x "
+            f"their floor), attention kernels {split['attention']:.3f} s, optimizer {split['optimizer']:.3f} s, "
+            f"the rest {split['rest']:.3f} s")
+    if faults is not None:
+        line += f"; {faults:,.0f} page faults a measured step"
+    lines = [line]
+    if faults is not None and faults >= MANY_FAULTS and gemm >= SLOW_GEMMS * floor and not malloc_tuned:
+        lines.append("    the step maps fresh pages for its buffers each time (glibc unmaps large freed blocks): "
+                     "--malloc-tuned keeps them mapped, for every row alike")
     return lines
 
 

@@ -45,6 +45,11 @@ HF Llama row kept ~1.3 GB of resident memory after its first step with the same 
 tensors as the peer), CPU rows also report ``tensor_peak_bytes``, what CUDA's figure measures:
 the tensors alive between steps plus the most one more step (after the val loss) allocates above
 them, from torch.profiler's allocation events (memory.measure.step_tensor_peak).
+
+Where the time goes, per row: ``finish`` also profiles a couple of steps on CPU and splits them into
+GEMMs, attention kernels, the optimizer and the rest (``step_split``, bench/split.py), and reports
+the minor page faults a measured step took (``page_faults_per_step``): the report sets the GEMMs'
+time in the step against their floor, the same GEMMs timed alone (bench/ceiling.py).
 """
 
 from __future__ import annotations
@@ -65,6 +70,7 @@ from ..errors import ConfigError
 from ..memory.measure import live_tensor_bytes, step_tensor_peak
 from ..profile.counting import OpCounter
 from ..utils import atomic_write, sync_device
+from .split import page_faults, profile_split
 
 __all__ = ["WorkerSpec", "RowSession", "serve", "load_workload", "fixed_batches", "RssSampler", "CPU_MEMORY_METHOD",
            "CPU_TENSOR_METHOD", "CUDA_MEMORY_METHOD", "error_result", "write_result", "load_payload"]
@@ -73,6 +79,8 @@ CPU_MEMORY_METHOD = "peak anonymous RSS of the worker above its value before the
 CPU_TENSOR_METHOD = ("tensors alive between steps above those before the model was built (gc scan) plus the most one "
                      "more step allocates above them (torch.profiler memory events): the CPU's max_memory_allocated")
 CUDA_MEMORY_METHOD = "torch.cuda.max_memory_allocated() during build, warm-up and measured steps"
+SPLIT_STEPS = 2
+"""Steps profiled at finish for bench/split.py's split (after every measured step and the val loss)."""
 
 
 @dataclass(frozen=True)
@@ -208,6 +216,7 @@ class RowSession:
         self.stream = None
         self.val_loss = None
         self.losses: list[float] = []
+        self.faults, self.measured = 0, 0  # minor page faults over the measured steps, and their count
 
     def _timed_step(self) -> tuple[float, float]:
         batch = next(self.stream)  # drawn (and moved to the device) before the clock starts
@@ -255,10 +264,13 @@ class RowSession:
 
     def run(self, steps: int) -> dict:
         self.rss.resume()
+        faults = page_faults()
         try:
             seconds, losses = zip(*(self._timed_step() for _ in range(steps))) if steps else ((), ())
         finally:
             self.rss.pause()
+        self.faults += page_faults() - faults
+        self.measured += len(seconds)
         return {"seconds": list(seconds), "losses": list(losses)}
 
     def val(self) -> dict:
@@ -274,11 +286,18 @@ class RowSession:
         peak = torch.cuda.max_memory_allocated() - self.base_cuda if self.cuda else self.rss.peak - self.rss.baseline
         val_loss = self.val_loss if self.val_loss is not None else self.val()["val_loss"]
         tensor_peak = None if self.cuda else self._tensor_peak()
+        split = None if self.cuda else self._split()
         counted = spec.count_ops and not getattr(self.trainer, "compiled", False)
         op_count = count_step_ops(self.trainer, next(self.stream)) if counted else None
         return {"val_loss": val_loss, "ops_per_step": op_count, "peak_memory_bytes": peak,
                 "tensor_peak_bytes": tensor_peak, "rss_baseline_bytes": self.rss.baseline,
-                "rss_peak_bytes": self.rss.peak}
+                "rss_peak_bytes": self.rss.peak, "step_split": split,
+                "page_faults_per_step": self.faults / self.measured if self.measured else None}
+
+    def _split(self) -> dict:
+        """bench/split.py's split of a few more steps (their batches drawn before the profiler starts)."""
+        batches = iter([next(self.stream) for _ in range(SPLIT_STEPS)])
+        return profile_split(lambda: self.trainer.step(next(batches)), SPLIT_STEPS)
 
     def _tensor_peak(self) -> int:
         """CPU: the tensors alive between steps (above those the workload held before the model was
