@@ -91,6 +91,22 @@ def test_fit_reads_flat_rows_and_refuses_others():
         load_bench_rows([{"op": "all_reduce", "size": 4}])
 
 
+def test_rows_come_from_a_path_or_json_text_and_bad_files_are_named(tmp_path):
+    rows = [{"op": "all_gather", "size": 4096, "time_us": 12.0, "world_size": 2}]
+    path = tmp_path / "[rows].json"  # a file name that starts like JSON text: passed as a Path, read as a file
+    path.write_text(json.dumps(rows))
+    expected = [("all_gather", 2, 4096, pytest.approx(12e-6))]
+    assert load_bench_rows(path) == load_bench_rows(str(path)) == load_bench_rows(json.dumps(rows)) == expected
+    with pytest.raises(ConfigError, match="cannot read the comm-bench rows .*missing.json"):
+        load_bench_rows(str(tmp_path / "missing.json"))
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="bad.json is not JSON"):
+        load_bench_rows(tmp_path / "bad.json")
+    (tmp_path / "dict.json").write_text(json.dumps({"rows": rows}))
+    with pytest.raises(ConfigError, match="a JSON list, got dict"):
+        load_bench_rows(tmp_path / "dict.json")
+
+
 def test_a_fit_turns_into_a_per_hop_link():
     fit = Fit("all_reduce", 2, alpha_s=60e-6, beta_s_per_byte=1 / 1e9, points=5, median_error=0.0, max_error=0.0)
     link = link_from_fit(fit, ETH)

@@ -36,8 +36,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from ..errors import ConfigError
 
@@ -218,15 +220,27 @@ class Fit:
 
 
 def load_bench_rows(source) -> list[tuple[str, int, int, float]]:
-    """(op, world, size bytes, seconds) from comm-bench's JSON rows (a path, a JSON string or rows).
+    """(op, world, size bytes, seconds) from comm-bench's JSON rows: a ``Path`` or a path string to
+    its JSON file, the JSON text itself (a string starting with ``[``), or the rows.
 
     Takes both the written rows ({"config": {"op", "size", "world_size"}, "time_us"}) and the
     flat per-size rows of ``measure`` ({"op", "size", "time_us"} plus a "world_size" key).
     """
     rows = source
-    if isinstance(source, str):
-        text = source if source.lstrip().startswith("[") else open(source).read()
-        rows = json.loads(text)
+    if isinstance(source, (str, os.PathLike)):
+        is_text = isinstance(source, str) and source.lstrip().startswith("[")
+        where = "the JSON text given" if is_text else str(source)
+        try:
+            rows = json.loads(source if is_text else Path(source).read_text())
+        except OSError as exc:
+            raise ConfigError(f"cannot read the comm-bench rows {where}: {exc.strerror or exc}; pass the "
+                              "JSON file `turbotrain comm-bench --out FILE` wrote") from exc
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{where} is not JSON ({exc.msg}, line {exc.lineno}); pass the JSON file "
+                              "`turbotrain comm-bench --out FILE` wrote") from exc
+    if not isinstance(rows, list):
+        raise ConfigError(f"comm-bench rows are a JSON list, got {type(rows).__name__}; pass the JSON "
+                          "file `turbotrain comm-bench --out FILE` wrote")
     out = []
     for r in rows:
         cfg = r.get("config", r)
