@@ -239,5 +239,37 @@ def test_bench_malloc_tuned_sets_what_every_worker_inherits(monkeypatch):
     assert seen == hardware.TUNED_MALLOC_ENV
 
 
+_CHURN = """
+import resource, sys, torch
+from turbotrain.hardware import tune_malloc
+
+def faults_of_churn():  # a 48 MiB buffer (above glibc's largest mmap threshold) allocated, written, freed
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(5):
+        buffer = torch.ones(48 * 2**20 // 4)
+        del buffer
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+untuned = faults_of_churn()
+applied = tune_malloc()
+faults_of_churn()  # the first one after tuning comes from the heap, faulted in once
+print(untuned, applied, faults_of_churn())
+"""
+
+
+@pytest.mark.skipif(os.uname().sysname != "Linux", reason="glibc's mallopt: Linux")
+def test_tune_malloc_keeps_freed_buffers_mapped_in_the_running_process():
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}  # an untuned process to start from
+    out = subprocess.run([sys.executable, "-c", _CHURN], env=env, capture_output=True, text=True, check=True).stdout
+    untuned, applied, tuned = out.split()
+    pages = 48 * 2**20 // 4096
+    assert applied == "True"
+    assert int(untuned) >= 5 * pages // 2  # each allocation is a fresh mapping: its pages fault in again
+    assert int(tuned) < pages // 4  # the same churn reuses the pages the heap kept
+
+
 def test_docstring_examples_run():
     assert doctest.testmod(hardware).failed == 0

@@ -52,6 +52,7 @@ __all__ = [
     "environment_report",
     "malloc_env",
     "TUNED_MALLOC_ENV",
+    "tune_malloc",
     "CPU_FEATURES",
 ]
 
@@ -66,6 +67,7 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 #: when freed, so every step faults its pages in afresh. With no mmap'd chunks and a trim threshold
 #: above any heap, the freed pages stay mapped for the next step. Read once, when a process starts.
 TUNED_MALLOC_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(64 * 2**30)}
+_MALLOPT = {"MALLOC_MMAP_MAX_": -4, "MALLOC_TRIM_THRESHOLD_": -1}  # glibc's M_MMAP_MAX, M_TRIM_THRESHOLD
 _VERSIONED = ("torch", "rich", "tokenizers", "numpy", "matplotlib")
 
 
@@ -349,6 +351,36 @@ def _dtype_name(dtype) -> str:
 
 
 # --------------------------------------------------------------------------------------------- CLI
+def tune_malloc() -> bool:
+    """Give this running process the settings of ``TUNED_MALLOC_ENV`` through glibc's ``mallopt``.
+
+    The environment variables work only for a process about to start (glibc reads them once); this
+    is the same remedy for the process that is already running, a notebook or a script launched by
+    something else: large freed buffers stay mapped, so the next step does not fault their pages in
+    afresh. Call it before training; it is process wide and stays in force. The cost: memory a step
+    frees is kept by the process instead of returned to the system, so its resident size stays at
+    its high-water mark. Returns True when applied; on a C library without ``mallopt`` (musl,
+    macOS) it says so once and returns False.
+    """
+    import ctypes
+    import ctypes.util
+    import warnings
+
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    mallopt = getattr(libc, "mallopt", None)
+    if mallopt is None or platform.libc_ver()[0] != "glibc":
+        warnings.warn("tune_malloc: this C library is not glibc, so its allocator is left as it is", stacklevel=2)
+        return False
+    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    for variable, option in _MALLOPT.items():
+        value = min(int(TUNED_MALLOC_ENV[variable]), 2**31 - 1)  # mallopt takes an int: 2 GiB is "never trim" enough
+        if mallopt(option, value) != 1:
+            raise HardwareError(f"glibc's mallopt refused {variable}={value}; set {variable} in the environment of "
+                                "the process before it starts instead")
+    return True
+
+
 def malloc_env(environ=None) -> dict[str, str]:
     """The glibc ``MALLOC_*`` settings in ``environ`` (os.environ: what processes started from here get).
 
