@@ -131,14 +131,16 @@ def full_adam_state(model, opt):
             for n, p in model.named_parameters() if p in opt.state}
 
 
-def local_bytes(model, opt):
-    def size(t):
-        t = t.to_local() if hasattr(t, "to_local") else t
-        return t.numel() * t.element_size()
+def local_nbytes(t):
+    """The bytes of this rank's piece of ``t`` (a DTensor's local shard)."""
+    t = t.to_local() if hasattr(t, "to_local") else t
+    return t.numel() * t.element_size()
 
+
+def local_bytes(model, opt):
     params = list(model.parameters())
-    return (sum(size(p) for p in params) + sum(size(p.grad) for p in params if p.grad is not None)
-            + sum(size(v) for p in params for v in opt.state[p].values() if isinstance(v, torch.Tensor)))
+    return (sum(local_nbytes(p) for p in params) + sum(local_nbytes(p.grad) for p in params if p.grad is not None)
+            + sum(local_nbytes(v) for p in params for v in opt.state[p].values() if isinstance(v, torch.Tensor)))
 
 
 # -- scenarios: each runs on both ranks and returns what the tests check -----------------------
@@ -429,6 +431,60 @@ def sc_meta_memory(info, shared):
             "n_params": len(initial), "initial": initial, "checkpointed": len(checkpointed_blocks(engine.module))}
 
 
+def _measured_engine(build, shape, batch):
+    """gpt built eagerly or on the meta device, sharded by the Engine, one step: the CPU tensor peak of it all,
+    the bytes still held afterwards, and what became of the parameters an eager build made."""
+    import gc
+    import weakref
+
+    from turbotrain import Config, Engine
+    from turbotrain.memory.measure import live_tensor_bytes, step_tensor_peak
+
+    wl, made, stock = workload(**shape), [], []
+
+    def build_and_step():
+        if build == "eager":
+            model, init = wl.build_model(), None
+            stock.extend((n, weakref.ref(p)) for n, p in model.named_parameters())
+        else:
+            model, init = meta_gpt(**shape)[1], gpt_init
+        engine = Engine(model, torch.optim.AdamW(model.parameters(), lr=LR), wl.loss_fn,
+                        config=Config(parallel=cfg(), device="cpu"), init_weights=init)
+        engine.step(batch)
+        made.append(engine)
+
+    gc.collect()
+    before = live_tensor_bytes()
+    peak = step_tensor_peak(build_and_step)
+    gc.collect()
+    engine = made.pop()
+    params = list(engine.module.parameters())
+    opt_state = [v for s in engine.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    plan = engine.plan
+    return {"peak": peak, "held": live_tensor_bytes() - before,
+            "full": sum(p.numel() * p.element_size() for p in params),  # a DTensor's numel is the whole tensor's
+            "shards": sum(local_nbytes(p) for p in params), "opt_state": sum(local_nbytes(v) for v in opt_state),
+            "stock": [n for n, _ in stock], "alive": [n for n, ref in stock if ref() is not None],
+            "layout": {n: (any(p is q for q in params), rows) for n, (p, rows) in plan.stock_layout.items()},
+            "plan_maps": (len(plan.master_of), len(plan.fused_from))}
+
+
+def sc_engine_lets_go_of_the_unsharded_model(info, shared):
+    """An eager gpt sharded by the Engine, beside the same gpt built on the meta device (which never has the
+    unsharded weights): once the Engine is set up, a rank keeps no parameter FSDP replaced by its shard.
+
+    The step's peak moves from run to run in steps of a block's or an embedding's unsharded weights (when the
+    tensors of the collectives, which run on gloo's threads, are freed; not Python's gc, which was ruled out).
+    Hence the lowest of two runs of each, and a vocabulary of 8192 (the batch's tokens, from the 512 one, are
+    a subset), which makes the embedding and the head most of the model and a block a small part of it.
+    """
+    shape = dict(d=128, n_layer=4, vocab_size=8192)
+    batch = rows(text_batches(n=1)[0], info["rank"])
+    runs = [(build, _measured_engine(build, shape, batch)) for build in ("eager", "meta") * 2]
+    first = dict(runs[:2])
+    return {**first, "peak": {b: min(r["peak"] for name, r in runs if name == b) for b in first}}
+
+
 def sc_meta_hf(info, shared):
     """HF Llama from its config on the meta device, initialised the Hugging Face way, its own loss."""
     from hf_models import build
@@ -573,7 +629,8 @@ def _all_dtensors(model) -> bool:
 SCENARIOS = [sc_fsdp, sc_fsdp_memory, sc_fsdp_zero2_checkpointing, sc_fsdp_accumulate, sc_fsdp_bf16,
              sc_found_inf, sc_tp_gpt, sc_sp_gpt, sc_sp_gpt_bf16, sc_sp_llama, sc_tp_hf, sc_sp_hf, sc_ckpt_from_single,
              sc_ckpt_to_ddp, sc_ckpt_tp, sc_engine, sc_engine_bf16_fused, sc_engine_checkpoint_every, sc_engine_fp16,
-             sc_meta_gpt, sc_meta_memory, sc_meta_hf, sc_meta_hsdp, sc_meta_load, sc_meta_without_tape]
+             sc_meta_gpt, sc_meta_memory, sc_engine_lets_go_of_the_unsharded_model, sc_meta_hf, sc_meta_hsdp,
+             sc_meta_load, sc_meta_without_tape]
 
 
 # -- spawning -------------------------------------------------------------------------------------
@@ -934,6 +991,24 @@ def test_meta_materialisation_allocates_the_shards_and_one_module_at_a_time(rank
         margin = 5056 * r["n_params"] + 64 * 1024
         assert r["peak"] <= r["shards"] + r["largest"] + margin, r
         assert r["shards"] <= 0.51 * r["full"] and r["peak"] <= 0.7 * r["full"], r  # an eager build peaks at full
+
+
+def test_an_eager_model_sharded_by_the_engine_is_let_go_once_it_is_set_up(ranks):
+    for r in result(ranks, "sc_engine_lets_go_of_the_unsharded_model"):
+        eager, peak = r["eager"], r["peak"]
+        assert eager["stock"] and eager["alive"] == [], eager["alive"]  # every parameter the user built, freed
+        assert eager["plan_maps"] == (0, 0)  # no entry keyed by a replaced parameter
+        # saved and loaded by the stock names, each one's values in a shard the optimizer steps
+        assert list(eager["layout"]) == eager["stock"]
+        assert all(shard and rows is None for shard, rows in eager["layout"].values())
+        # What a rank keeps between steps: its shards and their AdamW moments (and step counters); the whole
+        # model beside them would add eager["full"].
+        assert eager["shards"] <= 0.51 * eager["full"]
+        assert eager["held"] <= eager["shards"] + eager["opt_state"] + 0.25 * eager["full"], eager
+        # The peak of building, sharding and the first step: the meta build's, which never has the unsharded
+        # weights (the eager build's are freed as set-up ends, before any step allocates); keeping them would
+        # put it a whole model higher.
+        assert peak["eager"] <= peak["meta"] + 0.5 * eager["full"], (peak, eager["full"])
 
 
 def test_meta_hf_llama_sharded_by_the_engine_is_the_eager_model_and_trains_like_it(ranks):

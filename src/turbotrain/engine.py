@@ -149,10 +149,8 @@ class Engine:
         self.config = config
         self.contract = LossContract(loss_fn)
         self.loss_fn = loss_fn
-        self._stock = list(model.named_parameters())
-        """The model's parameters as the user built it: the stock layout checkpoints are keyed by."""
         if isinstance(optimizer, torch.optim.Optimizer):
-            check_optimizer_params(optimizer, self._stock)
+            check_optimizer_params(optimizer, list(model.named_parameters()))
         self._optimizer_arg, self._scheduler_arg = optimizer, scheduler
         self.optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
         self.scheduler = None if (scheduler is None or callable(scheduler) and not hasattr(scheduler, "step")) \
@@ -222,6 +220,7 @@ class Engine:
 
     def _setup(self, example: Optional[Batch]) -> None:
         model, plan = self.module, self.plan
+        stock = list(model.named_parameters())  # as the user built them: the names checkpoints are keyed by
         ctx = ApplyContext(self.device, example, loss_contract=self.contract, dtype=self.precision.dtype,
                            forward_context=self.autocast)
         plan.record_norms(model)
@@ -244,6 +243,10 @@ class Engine:
         for t in self.transforms:
             runner = t.wrap_runner(runner, plan, ctx)
         self._runner = runner
+        # Set-up ends: where each stock parameter lives is kept by name, and the Parameters fusion and
+        # FSDP replaced are let go (an eager FSDP build would otherwise keep the whole model per rank).
+        plan.settle(stock, model)
+        del stock
         for t in self.transforms:
             logger.info("%s", t.describe())
         if self._pending_state is not None:
@@ -510,7 +513,7 @@ class Engine:
             model_state = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
         state = self._resume_state()
         state["model"] = model_state
-        state["optimizer"] = stock_state_dict(self.optimizer, self.plan, self._stock)
+        state["optimizer"] = stock_state_dict(self.optimizer, self.plan.stock_layout)
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -586,7 +589,7 @@ class Engine:
             self.module.load_state_dict(state["model"])
         saved_opt = state["optimizer"]
         if saved_opt.get("layout") == "stock":
-            load_stock_state_dict(self.optimizer, saved_opt, self.plan, self._stock)
+            load_stock_state_dict(self.optimizer, saved_opt, self.plan.stock_layout)
         else:  # format 1: torch's own layout, valid only for an identically built optimizer
             self.optimizer.load_state_dict(saved_opt)
 

@@ -7,7 +7,8 @@ called with those Parameters instead.
 
 Stock layout: the optimizer state is saved keyed by the stock model's parameter names, with each
 per-element tensor (Adam's moments) cut to the stock parameter's rows, so a fused run resumes
-unfused and back, like the model's own state_dict.
+unfused and back, like the model's own state_dict. Where each name's values live is the plan's
+``stock_layout`` (name -> (stepped Parameter, row slice)), which holds no Parameter the model lost.
 """
 
 from __future__ import annotations
@@ -47,13 +48,6 @@ def check_optimizer_params(optimizer: torch.optim.Optimizer, named: list[tuple[s
                       f"updated: {listed}. Freeze them (requires_grad=False) to silence this.", stacklevel=4)
 
 
-def _current(plan: ModelPlan, param: nn.Parameter):
-    """(Parameter the optimizer steps for ``param``, row slice or None)."""
-    target = plan.fused_from.get(param, param)
-    target, rows = target if isinstance(target, tuple) else (target, None)
-    return plan.master_of.get(target, target), rows
-
-
 def bind_optimizer(optimizer, plan: ModelPlan, model: nn.Module) -> torch.optim.Optimizer:
     """The optimizer over the transformed parameters (see the module docstring)."""
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -65,7 +59,7 @@ def bind_optimizer(optimizer, plan: ModelPlan, model: nn.Module) -> torch.optim.
     remap = {}
     for group in optimizer.param_groups:
         for p in group["params"]:
-            new, _ = _current(plan, p)
+            new, _ = plan.locate(p)
             if new is not p:
                 remap[p] = new
     if not remap:
@@ -94,19 +88,19 @@ def bind_optimizer(optimizer, plan: ModelPlan, model: nn.Module) -> torch.optim.
     return optimizer
 
 
-def _stock_entries(plan: ModelPlan, named: list[tuple[str, nn.Parameter]]) -> dict:
-    """Stepped Parameter -> [(stock name, row slice or None)], in model order."""
+def _stock_entries(layout: dict) -> dict:
+    """Stepped Parameter -> [(stock name, row slice or None)], in model order, from a plan's stock_layout."""
     out: dict = {}
-    for name, p in named:
-        new, rows = _current(plan, p)
+    for name, (new, rows) in layout.items():
         out.setdefault(new, []).append((name, rows))
     return out
 
 
-def stock_state_dict(optimizer: torch.optim.Optimizer, plan: ModelPlan,
-                     named: list[tuple[str, nn.Parameter]]) -> dict:
-    """The optimizer's state keyed by stock parameter names, per-element tensors cut to their rows."""
-    entries = _stock_entries(plan, named)
+def stock_state_dict(optimizer: torch.optim.Optimizer, layout: dict) -> dict:
+    """The optimizer's state keyed by stock parameter names, per-element tensors cut to their rows.
+
+    ``layout``: the plan's stock_layout (stock name -> (stepped Parameter, row slice or None))."""
+    entries = _stock_entries(layout)
     state, groups = {}, []
     for group in optimizer.param_groups:
         names = []
@@ -124,10 +118,9 @@ def _per_element(value: torch.Tensor, param: torch.Tensor) -> bool:
     return value.dim() > 0 and value.shape == param.shape
 
 
-def load_stock_state_dict(optimizer: torch.optim.Optimizer, saved: dict, plan: ModelPlan,
-                          named: list[tuple[str, nn.Parameter]]) -> None:
+def load_stock_state_dict(optimizer: torch.optim.Optimizer, saved: dict, layout: dict) -> None:
     """Inverse of :func:`stock_state_dict`, onto however this Engine's parameters are fused."""
-    entries = _stock_entries(plan, named)
+    entries = _stock_entries(layout)
     if len(saved["param_groups"]) != len(optimizer.param_groups):
         raise ConfigError(f"the checkpoint's optimizer has {len(saved['param_groups'])} parameter group(s), this "
                           f"one {len(optimizer.param_groups)}; build the optimizer with the same groups")

@@ -18,7 +18,9 @@ optimizer from the parameters they leave behind, and then only calls their hooks
 The :class:`ModelPlan` is where transforms tell each other what they found: which modules are
 norms, which Linear is the head, which fused parameter stands for which stock ones, and which
 FP32 master stands for which model parameter. Fusion writes it, precision and checkpointing read
-it, so an FP32 norm stays FP32 inside a fused LayerNorm+GELU.
+it, so an FP32 norm stays FP32 inside a fused LayerNorm+GELU. When the Engine's set-up ends,
+:meth:`ModelPlan.settle` keeps, by name, where each stock parameter now lives and forgets every
+Parameter the model no longer holds.
 """
 
 from __future__ import annotations
@@ -64,9 +66,14 @@ class ModelPlan:
     """The module that produces the logits the loss reads (a Linear, or the fused loss head)."""
     head_path: Optional[str] = None
     fused_from: dict = field(default_factory=dict)
-    """Stock Parameter -> the fused Parameter (or (Parameter, row slice)) that now holds it."""
+    """Stock Parameter -> the fused Parameter (or (Parameter, row slice)) that now holds it, until
+    settle() drops the entries of the Parameters fusion took out of the model (all of them)."""
     master_of: dict = field(default_factory=dict)
-    """Model Parameter -> its FP32 master (master-weight precision modes)."""
+    """Model Parameter -> its FP32 master (master-weight precision modes), or -> its shard (FSDP2, until
+    settle() drops the entries of the Parameters the shards replaced)."""
+    stock_layout: dict = field(default_factory=dict)
+    """Stock parameter name -> (the Parameter the optimizer steps for it, row slice or None), in model
+    order; set by settle() when the Engine's set-up ends. The stock-layout optimizer state reads it."""
     loss_head: object = None
     """The fused linear+cross-entropy head when it replaced the loss (fusion/loss_head.py)."""
     notes: list = field(default_factory=list)
@@ -77,11 +84,26 @@ class ModelPlan:
             if is_norm_module(module):
                 self.norm_params.update(module.parameters(recurse=False))
 
-    def current(self, param: nn.Parameter) -> nn.Parameter:
-        """The Parameter that now holds ``param``'s values: fused into another, then mastered."""
+    def locate(self, param: nn.Parameter) -> tuple[nn.Parameter, Optional[slice]]:
+        """(the Parameter the optimizer steps for ``param``, row slice or None): fused into another, then
+        mastered or sharded. Valid during set-up, while the maps still hold the replaced Parameters."""
         target = self.fused_from.get(param, param)
-        target = target[0] if isinstance(target, tuple) else target
-        return self.master_of.get(target, target)
+        target, rows = target if isinstance(target, tuple) else (target, None)
+        return self.master_of.get(target, target), rows
+
+    def settle(self, stock: list[tuple[str, nn.Parameter]], model: nn.Module) -> None:
+        """The end of set-up: record where each of ``stock`` (the model's named parameters before the
+        transforms) now lives, by name, and drop every entry whose Parameter the model no longer holds.
+
+        The Parameters fusion concatenated and FSDP2 sharded are out of the model by now; a dict keyed
+        by them would keep each one's whole tensor alive for as long as the Engine lives (an FSDP rank
+        would hold the unsharded model next to its shards).
+        """
+        self.stock_layout = {name: self.locate(p) for name, p in stock}
+        live = set(model.parameters())
+        self.fused_from = {p: target for p, target in self.fused_from.items() if p in live}
+        self.master_of = {p: master for p, master in self.master_of.items() if p in live}
+        self.norm_params = {p for p in self.norm_params if p in live}
 
     def head_params(self) -> list[nn.Parameter]:
         return list(self.head.parameters()) if self.head is not None else []

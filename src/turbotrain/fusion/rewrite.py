@@ -81,7 +81,9 @@ class ExcludedSite:
 @dataclass
 class FusionReport:
     """What fuse() did. ``param_map`` maps each replaced Parameter to its new Parameter, or to
-    ``(new Parameter, row slice)`` where weights were concatenated (QKV, SwiGLU gate/up)."""
+    ``(new Parameter, row slice)`` where weights were concatenated (QKV, SwiGLU gate/up). It keeps
+    the replaced tensors alive while it is held; the Engine hands it to its plan and empties it in
+    ``engine.fusion_report``."""
 
     fused: list[FusedSite] = field(default_factory=list)
     rolled_back: list[RolledBackSite] = field(default_factory=list)
@@ -277,5 +279,4 @@ def fuse(model: nn.Module, patterns=FUSION_PATTERNS, verify: bool = True, dtype:
         site.install(new_unit)
         report.param_map.update(pmap)
         report.fused.append(result)
-    model.__dict__.setdefault("_turbotrain_param_map", {}).update(report.param_map)
     return report

@@ -37,6 +37,8 @@ class FusionTransform(Transform):
             self.report = fuse(model, patterns=self.patterns, verify=True, dtype=ctx.dtype,
                                example=(example.args, example.kwargs))
         plan.fused_from.update(self.report.param_map)
+        # The plan has the map now; the report kept for describe() must not hold the stock tensors.
+        self.report.param_map.clear()
         if "linear_cross_entropy" in self.patterns:
             if plan.head_path is None:
                 from .loss_head import LossHeadResult

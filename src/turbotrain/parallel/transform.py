@@ -15,7 +15,9 @@ FSDP2's sharded FP32 parameters are the masters the optimizer updates, and its
 ``MixedPrecisionPolicy`` gathers them in the run's low-precision dtype for compute. So the plan says
 ``plan.sharded = True`` and maps every parameter to its sharded replacement in ``plan.master_of``:
 the optimizer is bound to the shards, and the precision transform must neither cast the model nor
-make masters of its own.
+make masters of its own. When the Engine's set-up ends the plan keeps each stock name's shard in
+``plan.stock_layout`` and drops those entries (ModelPlan.settle), so no rank keeps the unsharded
+parameters of an eager build.
 """
 
 from __future__ import annotations
