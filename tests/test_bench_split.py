@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from turbotrain.bench.ceiling import check_targets, target_lines
 from turbotrain.bench.report import build_results
+from turbotrain.bench.runner import _ratio_notes
 from turbotrain.bench.split import page_faults, profile_split, split_events
 
 
@@ -102,3 +103,27 @@ def test_no_allocator_hint_when_it_is_already_tuned_or_the_faults_are_few():
 def test_without_a_split_the_verdict_says_it_was_not_measured():
     text = "\n".join(target_lines(check_targets(_results(None, None))))
     assert "measured on CPU rows only" in text and "GEMMs 1.300" not in text
+
+
+def _aa_results(faults, aa_faults, malloc_env=None):
+    header = {"timestamp": "t", "versions": {"torch": "x"}, "flops_per_step": 1e11,
+              "workload": {"name": "gpt", "unit": "tokens", "items_per_step": 100, "settings": {"T": 256}},
+              "environment": {"matmul_peak_flops": {"fp32": 1e11}, "malloc_env": malloc_env or {}},
+              "run": {"device": "cpu", "reference": "torch-compile-step-fp32", "aa_row": "torch-compile-step-fp32#2",
+                      "rounds": 10}}
+    rows = {}
+    for name, seconds, count in (("torch-compile-step-fp32", 1.6, faults), ("torch-compile-step-fp32#2", 1.8, aa_faults)):
+        rows[name] = {"status": "ok", "compute_dtype": "fp32", "round_seconds": [[seconds]] * 10,
+                      "step_seconds": [seconds] * 10, "losses": [8.0] * 10, "val_loss": 4.0, "peak_memory_bytes": 1,
+                      "tensor_peak_bytes": 1, "rounds": 10, "step_split": None, "page_faults_per_step": count}
+    return build_results(header, rows)
+
+
+def test_an_aa_pair_apart_in_page_faults_is_told_why():
+    notes = _ratio_notes(_aa_results(24_596.0, 84_246.0))
+    assert any("excludes 1.0" in n for n in notes)  # 1.6 s against 1.8 s in every round
+    assert any("24,596 and 84,246 pages" in n and "--malloc-tuned" in n for n in notes)
+    for quiet in (_aa_results(24_596.0, 30_000.0), _aa_results(300.0, 900.0),
+                  _aa_results(24_596.0, 84_246.0, malloc_env={"MALLOC_MMAP_MAX_": "0"})):
+        notes = _ratio_notes(quiet)
+        assert any("excludes 1.0" in n for n in notes) and not any("pages a measured step" in n for n in notes)

@@ -13,7 +13,7 @@ import torch
 from ..errors import check_positive
 from ..hardware import environment_report, print_environment, resolve_device
 from ..utils import check_output_dir, require
-from .ceiling import FLOOR_METHOD, check_targets, floor_dtypes, floor_text, measure_floor, target_lines
+from .ceiling import MANY_FAULTS, FLOOR_METHOD, check_targets, floor_dtypes, floor_text, measure_floor, target_lines
 from .configs import (BASELINE, INSTANCE_MARK, OPTIMIZER_IMPLEMENTATION, OPTIMIZER_SETTINGS, REFERENCE, TUNED_ROW,
                       default_configs, get_config, list_configs, resolve_names)
 from .console import escape, make_console
@@ -285,6 +285,10 @@ def _add_missing_peaks(raw: dict, env: dict, device: str, gemms, header: dict) -
         header["peak"]["detail"].update(extra["detail"])
 
 
+#: An A/A pair whose page faults a step differ by this factor (and reach ceiling.MANY_FAULTS) is told why.
+AA_FAULTS_APART = 2.0
+
+
 def _ratio_notes(results: dict) -> list[str]:
     """What the intervals say about the page itself: a noisy A/A pair, or a peer faster than the reference."""
     run = results["header"]["run"]
@@ -298,6 +302,12 @@ def _ratio_notes(results: dict) -> list[str]:
         lo, hi = aa["ratio_ci95"]
         notes.append(f"the A/A row's interval ({lo:.3f}-{hi:.3f}) excludes 1.0: two workers of one config differ "
                      "by more than the bootstrap expects (placement, a noisy neighbour); read small ratios with care")
+        faults = [configs.get(run.get("reference") or "", {}).get("page_faults_per_step"), aa.get("page_faults_per_step")]
+        tuned = results["header"].get("environment", {}).get("malloc_env")
+        if None not in faults and not tuned and max(faults) >= max(MANY_FAULTS, AA_FAULTS_APART * min(faults)):
+            notes.append(f"the two faulted {faults[0]:,.0f} and {faults[1]:,.0f} pages a measured step: glibc's mmap "
+                         "threshold moves with each process's history, so the same step maps its buffers afresh more "
+                         "often in one worker than in the other; --malloc-tuned removes that for every row alike")
     if run.get("reference") not in (REFERENCE, get_config(REFERENCE).fp32_twin):
         return notes  # a stand-in reference (not the strongest peer) is expected to be beaten
     for name, config in configs.items():
