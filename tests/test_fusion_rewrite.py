@@ -337,6 +337,30 @@ def test_tied_or_hooked_sites_are_reported_not_fused():
     assert "hooks" in report.rolled_back[0].reason
 
 
+@pytest.mark.parametrize("by", ["names", "data flow"])
+def test_sites_whose_weights_disagree_on_requires_grad_are_not_concatenated(by):
+    model = HFModel(layers=1)
+    layer = model.layers[0]
+    layer.self_attn.k_proj.weight.requires_grad_(False)  # k frozen, q and v trained
+    layer.mlp.up_proj.weight.requires_grad_(False)  # up frozen, gate trained
+    example = ((lm_batch()[0],), {}) if by == "data flow" else None
+    report = fuse(model, patterns=("qkv", "swiglu"), example=example)
+    assert not report.fused
+    assert sorted(s.pattern for s in report.rolled_back) == ["qkv", "swiglu"]
+    assert all("frozen" in s.reason for s in report.rolled_back)
+    assert type(layer.self_attn.k_proj) is nn.Linear and type(layer.mlp) is HFMLP
+
+
+def test_a_fused_swiglu_keeps_its_frozen_biases_frozen():
+    from turbotrain.fusion.modules import FusedSwiGLUMLP
+
+    gate, up, down = nn.Linear(DIM, 24), nn.Linear(DIM, 24), nn.Linear(24, DIM)
+    for lin in (gate, up):
+        lin.bias.requires_grad_(False)
+    fused = FusedSwiGLUMLP(gate, up, down)
+    assert fused.gate_up_weight.requires_grad and not fused.gate_up_bias.requires_grad
+
+
 def test_bind_optimizer_repoints_the_same_object_at_fused_parameters():
     from turbotrain.optim_layout import bind_optimizer
     from turbotrain.plan import ModelPlan

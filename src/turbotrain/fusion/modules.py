@@ -201,7 +201,7 @@ class FusedSwiGLUMLP(nn.Module):
             weight = torch.cat([gate_proj.weight, up_proj.weight])
             bias = torch.cat([gate_proj.bias, up_proj.bias]) if gate_proj.bias is not None else None
         self.gate_up_weight = nn.Parameter(weight, requires_grad=gate_proj.weight.requires_grad)
-        self.gate_up_bias = nn.Parameter(bias) if bias is not None else None
+        self.gate_up_bias = nn.Parameter(bias, requires_grad=gate_proj.bias.requires_grad) if bias is not None else None
         self.add_module(self.names[2], down_proj)
 
     def forward(self, x: Tensor) -> Tensor:

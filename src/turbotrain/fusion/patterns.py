@@ -184,6 +184,16 @@ def _tied(counts: Counter, *linears) -> Optional[str]:
     return None
 
 
+def _mixed_trainable(*linears) -> Optional[str]:
+    """Concatenated weights are one Parameter with one requires_grad: the site must agree on it."""
+    for kind in ("weight", "bias"):
+        flags = {getattr(m, kind).requires_grad for m in linears if getattr(m, kind) is not None}
+        if len(flags) > 1:
+            return (f"some of its {kind}s are frozen (requires_grad=False) and some are not; one concatenated "
+                    "Parameter would train the frozen ones or freeze the others")
+    return None
+
+
 def _setter(owner: nn.Module, name: str):
     return lambda new: setattr(owner, name, new)
 
@@ -212,7 +222,7 @@ def _qkv_site(path, module, names, counts, sample) -> Site:
         "some of q/k/v have a bias and some do not" if len({m.bias is None for m in linears}) > 1 else
         "q/k/v differ in dtype or device" if len({(m.weight.dtype, m.weight.device) for m in linears}) > 1 else
         "an attribute named 'qkv_fused' already exists" if hasattr(module, "qkv_fused") else
-        _tied(counts, *linears) or _hooked(*linears)
+        _tied(counts, *linears) or _mixed_trainable(*linears) or _hooked(*linears)
     )
 
     def build(unit):
@@ -244,7 +254,7 @@ def _swiglu_problem(module, owner, gate, up, down, acts, counts) -> Optional[str
         "it has parameters of its own the fused MLP would drop" if list(module._parameters) else
         "gate and up differ in shape or bias" if gate.weight.shape != up.weight.shape
         or (gate.bias is None) != (up.bias is None) else
-        _tied(counts, gate, up) or _hooked(gate, up, down, *acts)
+        _tied(counts, gate, up) or _mixed_trainable(gate, up) or _hooked(gate, up, down, *acts)
     )
 
 
