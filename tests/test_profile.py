@@ -149,3 +149,43 @@ def test_fp32_model_is_not_told_about_casts():
 ])
 def test_category_of_name(name, category):
     assert category_of_name(name) == category
+
+
+class FreshBufferEngine(StandInEngine):
+    """A step that also allocates, writes and frees a 48 MiB buffer, above glibc's largest mmap threshold."""
+
+    def step(self, batch):
+        scratch = torch.ones(48 * 2**20 // 4)
+        del scratch
+        return super().step(batch)
+
+
+def test_page_faults_a_step_are_counted_and_advised_on():
+    from turbotrain.hardware import malloc_env
+
+    report = profile(FreshBufferEngine(Blocks()), batches(), steps=2, warmup=1, peak_flops=PEAK_FLOPS,
+                     peak_bandwidth=PEAK_BW)
+    assert report.page_faults_per_step is not None and "page faults/step" in str(report)
+    if malloc_env():
+        pytest.skip("this process was started with MALLOC_* settings: its buffers may stay mapped")
+    assert report.page_faults_per_step >= 48 * 2**20 // 4096 // 2  # the buffer's pages, every step
+    assert any(r.config == "turbotrain.hardware.tune_malloc()" for r in report.recommendations)
+
+
+@pytest.mark.parametrize("faults, advised", [(30_000, True), (300, False), (None, False)])
+def test_page_fault_advice_follows_their_cost_against_the_step(faults, advised):
+    report = _given_report()
+    report.page_faults_per_step, report.step_time_s = faults, 1.6  # 30k faults at ~2 us: 60 ms, 3.8%
+    recs = recommend(report, SimpleNamespace(precision="bf16-master"))
+    assert any("tune_malloc" in r.config for r in recs) == advised, recs
+
+
+@pytest.mark.parametrize("flags, advised", [(("avx2", "avx512_bf16"), "bf16-master"), (("avx2",), None)])
+def test_fp32_matmul_advice_names_a_dtype_only_where_it_is_native(monkeypatch, flags, advised):
+    from turbotrain import hardware
+
+    monkeypatch.setattr(hardware, "_cpuinfo", lambda: ("test CPU", frozenset(flags)))
+    report = _given_report(matmul=0.8)
+    report.matmul_dtypes, report.device = ("float32",), "cpu"
+    recs = [r for r in recommend(report, SimpleNamespace(precision="fp32")) if "matmuls run in FP32" in r.finding]
+    assert [r.config for r in recs] == ([f"Config(precision='{advised}')"] if advised else [])

@@ -53,6 +53,7 @@ __all__ = [
     "malloc_env",
     "TUNED_MALLOC_ENV",
     "tune_malloc",
+    "page_faults",
     "CPU_FEATURES",
 ]
 
@@ -379,6 +380,15 @@ def tune_malloc() -> bool:
             raise HardwareError(f"glibc's mallopt refused {variable}={value}; set {variable} in the environment of "
                                 "the process before it starts instead")
     return True
+
+
+def page_faults() -> int:
+    """This process's minor page faults so far: a fault maps a page without reading a disk, which is
+    what a freshly mapped buffer costs on its first touch (glibc maps each large allocation afresh
+    unless ``tune_malloc``'s settings are in force)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def malloc_env(environ=None) -> dict[str, str]:

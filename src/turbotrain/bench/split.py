@@ -25,8 +25,9 @@ the split is not measured there (``None``) and the report says so.
 
 from __future__ import annotations
 
-import resource
 import time
+
+from ..hardware import page_faults
 
 __all__ = ["GEMM_OPS", "split_events", "profile_split", "page_faults"]
 
@@ -75,9 +76,3 @@ def profile_split(step, steps: int = 2) -> dict:
             step()
         wall = time.perf_counter() - t0
     return split_events(prof.events(), wall, steps)
-
-
-def page_faults() -> int:
-    """This process's minor page faults so far (a fault that maps a page without reading a disk:
-    what a freshly mmap'd buffer costs on its first touch)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt

@@ -21,7 +21,14 @@ THRESHOLDS = {
     "optimizer": 0.15,
     "data": 0.10,
     "mfu": 0.30,
+    "page_faults": 0.03,  # pages mapped afresh each step, at FAULT_SECONDS each, against the step
 }
+
+#: What one minor fault costs, roughly: the kernel's trap plus zeroing a 4 KiB page (1-2 us on the
+#: development CPUs). It only sizes the finding; the measured effect of removing the faults was
+#: larger (the compiled gpt step's GEMMs ran 1.14-1.20x their isolated time with 25-84k faults a
+#: step, 1.05-1.10x with ~400; benchmarks/2026-12-06-avx2-step-split.md).
+FAULT_SECONDS = 2e-6
 
 
 @dataclass(frozen=True)
@@ -37,6 +44,13 @@ class Recommendation:
 
 def _fp32_matmuls(report) -> bool:
     return bool(report.matmul_dtypes) and set(report.matmul_dtypes) <= {"float32"}
+
+
+def _low_precision(device: str) -> tuple[str, str]:
+    """The precision this device trains fastest in, and why (turbotrain.hardware.recommend_precision)."""
+    from ..hardware import detect, recommend_precision
+
+    return recommend_precision(detect("cuda" if str(device).startswith("cuda") else "cpu"))
 
 
 def recommend(report, config=None) -> list[Recommendation]:
@@ -72,11 +86,15 @@ def recommend(report, config=None) -> list[Recommendation]:
             "DataParallelConfig(bucket_mb=5) or DataParallelConfig(compression='powersgd')"))
     low_mfu = report.mfu is not None and report.mfu < THRESHOLDS["mfu"]
     if _fp32_matmuls(report) and (low_mfu or share["matmul"] >= 0.3) and precision == "fp32":
-        mfu = "n/a" if report.mfu is None else f"{report.mfu:.0%}"
-        recs.append(Recommendation(
-            f"matmuls run in FP32 (MFU {mfu}, matmul {share['matmul']:.0%} of the step)",
-            "run matmuls in bf16 (FP32 accumulation); fp16 needs loss scaling",
-            "Config(precision='bf16-mixed') or Config(precision='bf16-master')"))
+        low, why = _low_precision(getattr(report, "device", "cpu"))
+        if low != "fp32":  # where bf16/fp16 is emulated (an AVX2-only CPU) fp32 is already the fastest
+            mfu = "n/a" if report.mfu is None else f"{report.mfu:.0%}"
+            dtype = low.split("-")[0]
+            recs.append(Recommendation(
+                f"matmuls run in FP32 (MFU {mfu}, matmul {share['matmul']:.0%} of the step) where {why}",
+                f"run matmuls in {dtype} (FP32 accumulation, FP32 master weights)"
+                + ("; fp16 needs loss scaling, which the Engine does" if dtype == "fp16" else ""),
+                f"Config(precision='{low}')"))
     if share["idle/overhead"] >= THRESHOLDS["idle"] and not compiled:
         recs.append(Recommendation(
             f"{share['idle/overhead']:.0%} of the step is outside any op (Python and launch overhead)",
@@ -87,6 +105,13 @@ def recommend(report, config=None) -> list[Recommendation]:
             f"the optimizer step takes {share['optimizer']:.0%} of the step",
             "use a fused or foreach optimizer (torch.optim.AdamW(..., fused=True) on GPU, foreach=True on CPU)",
             "torch.optim.AdamW(fused=True)"))
+    faults = getattr(report, "page_faults_per_step", None)
+    if faults and faults * FAULT_SECONDS >= THRESHOLDS["page_faults"] * report.step_time_s:
+        recs.append(Recommendation(
+            f"each step faults in {faults:,.0f} fresh pages (the allocator maps large buffers anew every step)",
+            "keep freed buffers mapped for the next step: call turbotrain.hardware.tune_malloc() before training "
+            "(glibc; or start the process with turbotrain.hardware.TUNED_MALLOC_ENV)",
+            "turbotrain.hardware.tune_malloc()"))
     if share["data"] >= THRESHOLDS["data"]:
         recs.append(Recommendation(
             f"data loading takes {share['data']:.0%} of the step",

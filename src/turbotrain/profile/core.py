@@ -14,6 +14,7 @@ The engine trains during all of them (profiling is not free of side effects).
 
 from __future__ import annotations
 
+import mmap
 import time
 import warnings
 from collections import defaultdict
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..hardware import page_faults
 from ..utils import sync_device
 from .advice import Recommendation, recommend
 from .categories import CATEGORIES, IDLE, categorise
@@ -33,6 +35,7 @@ MFU_CONVENTIONS = ("MFU = model FLOPs per step / (unprofiled wall step time x pe
                    "matmul/conv/attention only, attention counted as executed (a causal mask is not discounted), "
                    "recomputation by activation checkpointing excluded. ")
 _STEP_RANGE = "turbotrain.profile.step"
+PAGE_BYTES = mmap.PAGESIZE
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,9 @@ class ProfileReport:
     trace_path: str | None = None
     html_path: str | None = None
     notes: list = field(default_factory=list)
+    page_faults_per_step: float | None = None
+    """Minor page faults a step, over the unprofiled steps (CPU; None on a GPU): pages the allocator
+    mapped afresh for the step's buffers (turbotrain.hardware.tune_malloc keeps them mapped)."""
 
     @property
     def shares(self) -> dict:
@@ -97,6 +103,9 @@ class ProfileReport:
                  f"{self.unprofiled_step_time_s * ms:.2f} ms without the profiler"]
         mfu = "n/a (no peak FLOP/s)" if self.mfu is None else f"{self.mfu:.1%}"
         lines.append(f"model FLOPs/step {self.flops_per_step:.3g}, MFU {mfu}")
+        if self.page_faults_per_step is not None:
+            lines.append(f"page faults/step {self.page_faults_per_step:,.0f} "
+                         f"({self.page_faults_per_step * PAGE_BYTES / 2**20:,.0f} MiB mapped afresh)")
         lines.append("categories (per step):")
         for cat, sec in self.categories.items():
             lines.append(f"  {cat:<14} {sec * ms:9.3f} ms  {sec / self.step_time_s:6.1%}")
@@ -184,7 +193,9 @@ def profile(engine, batches, steps: int = 5, warmup: int = 2, *, peak_flops: flo
     batches = iter(batches)
     device = _device_of(engine)
     _timed_steps(engine, batches, warmup, device)
+    faults = page_faults()
     unprofiled = _timed_steps(engine, batches, steps, device)
+    faults = (page_faults() - faults) / steps
 
     activities = [torch.profiler.ProfilerActivity.CPU]
     on_gpu = device.startswith("cuda")
@@ -212,7 +223,8 @@ def profile(engine, batches, steps: int = 5, warmup: int = 2, *, peak_flops: flo
     report = ProfileReport(
         device=device, steps=steps, step_time_s=step_time, unprofiled_step_time_s=sum(unprofiled) / steps,
         categories={c: categories.get(c, 0.0) for c in CATEGORIES}, peak_flops=peak_flops,
-        peak_bandwidth=peak_bandwidth, peak_source=source, matmul_dtypes=matmul_dtypes, notes=notes)
+        peak_bandwidth=peak_bandwidth, peak_source=source, matmul_dtypes=matmul_dtypes, notes=notes,
+        page_faults_per_step=None if on_gpu else faults)
     report.ops = _op_rows(op_time, counts, step_time, peak_flops, peak_bandwidth, on_gpu)
     if counts is not None:
         report.flops_per_step = counts.flops
