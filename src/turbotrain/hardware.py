@@ -437,5 +437,7 @@ def print_environment(report: dict, console=None) -> None:
     console.print(f"[bold]recommended precision[/] {report['recommended_precision']}: "
                   f"{report['recommended_precision_reason']}")
     malloc = report.get("malloc_env") or {}
+    hint = ("; a CPU training step maps its large buffers afresh each time, turbotrain.hardware.tune_malloc() "
+            "keeps them mapped") if report.get("hardware", {}).get("device") == "cpu" else ""
     console.print("[bold]malloc settings[/] " + (" ".join(f"{k}={v}" for k, v in malloc.items())
-                                                  or "glibc defaults (no MALLOC_* variables set)"))
+                                                  or "glibc defaults (no MALLOC_* variables set)" + hint))
