@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from turbotrain.bench.ceiling import check_targets, target_lines
 from turbotrain.bench.report import build_results
 from turbotrain.bench.runner import _ratio_notes
-from turbotrain.bench.split import page_faults, profile_split, split_events
+from turbotrain.bench.split import profile_split, split_events
+from turbotrain.hardware import page_faults
 
 
 @dataclass

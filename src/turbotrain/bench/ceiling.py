@@ -34,7 +34,7 @@ from .peak import PeakSettings, best_gemm_flops
 from .stats import slow_dtypes
 
 __all__ = ["Targets", "TARGETS", "FLOOR_SETTINGS", "measure_floor", "floor_dtypes", "check_targets",
-           "target_lines", "floor_text", "FLOOR_METHOD"]
+           "target_lines", "floor_text", "malloc_tuned", "FLOOR_METHOD"]
 
 
 @dataclass(frozen=True)
@@ -189,9 +189,14 @@ def _ceiling(header: dict, reference: dict, rows: dict) -> dict | None:
                              "split": config.get("step_split"),  # bench/split.py: measured inside the step
                              "page_faults_per_step": config.get("page_faults_per_step")}
     if out["rows"]:
-        out["malloc_tuned"] = bool(header["environment"].get("malloc_env"))
+        out["malloc_tuned"] = malloc_tuned(header)
         return out
     return None
+
+
+def malloc_tuned(header: dict) -> bool:
+    """Whether the ladder's workers started with MALLOC_* settings (``--malloc-tuned`` or the shell's)."""
+    return bool(header.get("environment", {}).get("malloc_env"))
 
 
 def target_lines(verdict: dict | None) -> list[str]:

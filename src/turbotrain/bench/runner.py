@@ -13,7 +13,8 @@ import torch
 from ..errors import check_positive
 from ..hardware import environment_report, print_environment, resolve_device
 from ..utils import check_output_dir, require
-from .ceiling import MANY_FAULTS, FLOOR_METHOD, check_targets, floor_dtypes, floor_text, measure_floor, target_lines
+from .ceiling import (FLOOR_METHOD, MANY_FAULTS, check_targets, floor_dtypes, floor_text, malloc_tuned, measure_floor,
+                      target_lines)
 from .configs import (BASELINE, INSTANCE_MARK, OPTIMIZER_IMPLEMENTATION, OPTIMIZER_SETTINGS, REFERENCE, TUNED_ROW,
                       default_configs, get_config, list_configs, resolve_names)
 from .console import escape, make_console
@@ -303,8 +304,8 @@ def _ratio_notes(results: dict) -> list[str]:
         notes.append(f"the A/A row's interval ({lo:.3f}-{hi:.3f}) excludes 1.0: two workers of one config differ "
                      "by more than the bootstrap expects (placement, a noisy neighbour); read small ratios with care")
         faults = [configs.get(run.get("reference") or "", {}).get("page_faults_per_step"), aa.get("page_faults_per_step")]
-        tuned = results["header"].get("environment", {}).get("malloc_env")
-        if None not in faults and not tuned and max(faults) >= max(MANY_FAULTS, AA_FAULTS_APART * min(faults)):
+        if None not in faults and not malloc_tuned(results["header"]) \
+                and max(faults) >= max(MANY_FAULTS, AA_FAULTS_APART * min(faults)):
             notes.append(f"the two faulted {faults[0]:,.0f} and {faults[1]:,.0f} pages a measured step: glibc's mmap "
                          "threshold moves with each process's history, so the same step maps its buffers afresh more "
                          "often in one worker than in the other; --malloc-tuned removes that for every row alike")

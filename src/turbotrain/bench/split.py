@@ -1,12 +1,13 @@
 """Where one row's step goes, measured: a few profiled steps split into GEMMs, attention kernels,
-the optimizer step and everything else, and the page faults a measured step takes.
+the optimizer step and everything else (the worker also counts the page faults of its measured
+steps, hardware.page_faults).
 
 The ceiling (bench/ceiling.py) says what the step's GEMMs cost at their best, alone; this says what
 they cost inside the step. The two differ: a GEMM whose output lands in freshly mapped pages, or
 whose operands were evicted by the ops before it, runs below its isolated best (on the 2-core AVX2
-development CPU, 2026-12-06: the compiled reference's GEMMs took 1.53-1.57 s of a 1.62-1.74 s
-step against a floor of 1.14 s, and 1.26-1.34 s with ``--malloc-tuned``, which took the page faults
-from ~25-33k a step to under 1k).
+development CPU, 2026-12-06, benchmarks/2026-12-06-avx2-step-split.md: the gpt rows' GEMMs took
+1.14-1.20x their floor at 25-84k page faults a step, and 1.02-1.12x with ``--malloc-tuned``, which
+took the faults to under 1k).
 
 Buckets, by each profiled ATen op's *self* time (the time on the calling thread inside that op but
 not in the ops it called; intra-op threads work inside it, so the buckets add up to wall time):
@@ -27,9 +28,7 @@ from __future__ import annotations
 
 import time
 
-from ..hardware import page_faults
-
-__all__ = ["GEMM_OPS", "split_events", "profile_split", "page_faults"]
+__all__ = ["GEMM_OPS", "split_events", "profile_split"]
 
 GEMM_OPS = frozenset({"aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddbmm",
                       "aten::_int_mm", "aten::_addmm_activation"})

@@ -67,10 +67,11 @@ from pathlib import Path
 import torch
 
 from ..errors import ConfigError
+from ..hardware import page_faults
 from ..memory.measure import live_tensor_bytes, step_tensor_peak
 from ..profile.counting import OpCounter
 from ..utils import atomic_write, sync_device
-from .split import page_faults, profile_split
+from .split import profile_split
 
 __all__ = ["WorkerSpec", "RowSession", "serve", "load_workload", "fixed_batches", "RssSampler", "CPU_MEMORY_METHOD",
            "CPU_TENSOR_METHOD", "CUDA_MEMORY_METHOD", "error_result", "write_result", "load_payload"]
