@@ -98,7 +98,8 @@ LEVER_CONFIGS = {
 }
 #: The row standing in for each low-precision row where its dtype is slower than fp32 (BenchConfig.fp32_twin).
 FP32_TWINS = {"tt-fused": "tt-fused-fp32", "tt-fused-compile": "tt-fused-compile-fp32",
-              "tt-ckpt-half-fused-ce-compile": "tt-ckpt-half-fused-ce-compile-fp32"}
+              "tt-ckpt-half-fused-ce-compile": "tt-ckpt-half-fused-ce-compile-fp32",
+              "tt-ckpt-selective-fused-ce-compile": "tt-ckpt-selective-fused-ce-compile-fp32"}
 
 #: Activation checkpointing rows (issue: memory): off the default ladder, they answer a question
 #: asked at long sequence lengths (`--set T=1024`), where activations dominate peak memory.
@@ -119,6 +120,16 @@ MEMORY_CONFIGS = {
     "tt-ckpt-blocks-fused-ce-compile-fp32": ({"precision": "fp32", "checkpoint": "blocks",
                                               "fuse": ("linear_cross_entropy",), "compile": True},
                                              "fp32 + block checkpointing + fused linear+cross-entropy + torch.compile"),
+    # selective on every block: keep the matmul and attention outputs, recompute the norms, the
+    # activation and the residual adds in backward (a few percent of the step's work)
+    "tt-ckpt-selective-fused-ce-compile": ({"precision": "bf16-master", "checkpoint": "selective",
+                                            "fuse": ("linear_cross_entropy",), "compile": True},
+                                           "bf16-master + selective checkpointing + fused linear+cross-entropy "
+                                           "+ torch.compile"),
+    "tt-ckpt-selective-fused-ce-compile-fp32": ({"precision": "fp32", "checkpoint": "selective",
+                                                 "fuse": ("linear_cross_entropy",), "compile": True},
+                                                "fp32 + selective checkpointing + fused linear+cross-entropy "
+                                                "+ torch.compile"),
     # every other block: about half the activations for about half the recomputation
     "tt-ckpt-half-fused-ce-compile": ({"precision": "bf16-master", "checkpoint": "blocks", "checkpoint_every": 2,
                                        "fuse": ("linear_cross_entropy",), "compile": True},
