@@ -67,6 +67,7 @@ def drive(model, cfg, dtype=None, optimizer=None, checkpoint=None, keep_fp32_hea
 
     t = ParallelTransform(cfg, keep_fp32_head=keep_fp32_head)
     device = t.place(torch.device("cpu"))
+    stock = list(model.named_parameters())
     plan = ModelPlan()
     plan.record_norms(model)
     plan.head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else model.lm_head
@@ -74,7 +75,9 @@ def drive(model, cfg, dtype=None, optimizer=None, checkpoint=None, keep_fp32_hea
         apply_checkpointing(model, checkpoint)  # the Engine's checkpoint transform comes first
     t.apply(model, plan, ApplyContext(device, dtype=dtype))
     optimizer = optimizer or (lambda params: torch.optim.AdamW(params, lr=LR))
-    return t, plan, bind_optimizer(optimizer, plan, model)
+    bound = bind_optimizer(optimizer, plan, model)
+    plan.settle(stock, model)  # as Engine._setup ends: the replaced Parameters are let go
+    return t, plan, bound
 
 
 def lm_loss(model, batch):
@@ -161,7 +164,7 @@ def sc_fsdp(info, shared):
     out = train(model, t, opt, text_batches(), rank=info["rank"], clip=1e9)
     return {**out, "params": full_params(model), "same_optimizer": opt is user_opt,
             "bound": {id(p) for g in opt.param_groups for p in g["params"]} == {id(p) for p in shards.values()},
-            "master_of": all(plan.master_of[stock[n]] is shards[n] for n in stock),
+            "layout": all(plan.stock_layout[n][0] is shards[n] and plan.stock_layout[n][1] is None for n in stock),
             "sharded": bool(plan.sharded and plan.mesh is not None),
             "placements": {n: p.placements for n, p in shards.items() if isinstance(p, DTensor)},
             "dim0": Shard(0), "describe": t.describe()}
@@ -768,7 +771,7 @@ def test_fsdp_trains_gpt_like_one_process_on_the_global_batch(ranks, gpt_ref):
 
 def test_fsdp_binds_the_users_optimizer_to_the_shards_and_tells_the_plan(ranks):
     for r in result(ranks, "sc_fsdp"):
-        assert r["same_optimizer"] and r["bound"] and r["master_of"] and r["sharded"]
+        assert r["same_optimizer"] and r["bound"] and r["layout"] and r["sharded"]
         assert r["placements"] and all(p == (r["dim0"],) for p in r["placements"].values())
         assert "dp_shard=2" in r["describe"] and "ZeRO-3" in r["describe"]
 
