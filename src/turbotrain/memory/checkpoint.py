@@ -8,6 +8,11 @@ the memory back for a few percent of extra compute.
 The block's class is swapped for a subclass whose ``forward`` runs the original one under
 ``torch.utils.checkpoint`` (non-reentrant). No wrapper module is inserted, so parameter names, and
 therefore checkpoints, are the same with and without it; deepcopy keeps the checkpointing.
+
+Compiled by the Engine (``Config(compile=True)``) each checkpointed block is one graph even when its
+forward mutates Python state, as Hugging Face models' output hooks do; under your own
+``torch.compile`` set ``torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True``
+for the same, or Dynamo breaks the graph at every such block (fusion/compile.py).
 """
 
 from __future__ import annotations
