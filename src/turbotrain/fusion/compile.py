@@ -70,9 +70,9 @@ _ONCE = "skip_fwd_side_effects_in_bwd_under_checkpoint"
 def _side_effects_once():
     """Trace checkpointed blocks whole even when their forward mutates Python state.
 
-    Hugging Face models do (the hooks transformers puts on their attention modules read an output
-    collector it sets per call): with Dynamo's default every checkpointed decoder layer broke the
-    graph, 8 breaks a step on HF Llama, and ran and recomputed eagerly; at T=1024 selective
+    Hugging Face models do (transformers' output collector, a ``CompileableContextVar``, is mutated
+    inside each decoder layer as Dynamo sees it): with Dynamo's default every checkpointed layer
+    broke the graph, 8 breaks in HF Llama's first steps, and ran and recomputed eagerly; at T=1024 selective
     checkpointing then kept 0.84x of the uncheckpointed row's tensor peak, where it keeps 0.68x on
     turbotrain's gpt (benchmarks/2026-12-06-avx2-selective-checkpoint.md). Running such a side effect
     once is also what the model means: eager checkpointing replays it in backward (a hook that
