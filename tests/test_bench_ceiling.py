@@ -70,6 +70,17 @@ def test_memory_is_judged_only_at_long_sequences_and_names_a_row_that_meets_it()
     assert long["met"] is False and "tt-ckpt-blocks-fused-ce-compile-fp32 meets it (0.50x)" in long["why"]
 
 
+def test_the_memory_verdict_names_the_lean_row_to_add_when_none_ran():
+    raw = {"torch-compile-step-fp32": _row(1.6, tensors=100), "tt-fused-compile-fp32": _row(1.4, tensors=90)}
+    short = _checks(_verdict(raw, T=256)[0])["memory"]
+    assert "--set T=1024 --configs tt-ckpt-selective-fused-ce-compile-fp32," in short["why"]
+    long = _checks(_verdict(raw, T=1024)[0])["memory"]
+    assert long["met"] is False and "add tt-ckpt-selective-fused-ce-compile-fp32 with --configs" in long["why"]
+    # it ran and still missed: nothing to add
+    raw["tt-ckpt-selective-fused-ce-compile-fp32"] = _row(1.5, tensors=80)
+    assert _checks(_verdict(raw, T=1024)[0])["memory"]["why"] == ""
+
+
 def test_the_ceiling_is_the_reference_step_over_the_gemm_floor():
     raw = {"torch-compile-step-fp32": _row(1.6), "tt-fused-compile-fp32": _row(1.5)}
     verdict, _ = _verdict(raw, floors={"fp32": {"seconds": 1.4, "gemms": []}})
