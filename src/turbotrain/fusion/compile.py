@@ -71,12 +71,12 @@ def _side_effects_once():
     """Trace checkpointed blocks whole even when their forward mutates Python state.
 
     Hugging Face models do (transformers' output collector, a ``CompileableContextVar``, is mutated
-    inside each decoder layer as Dynamo sees it): with Dynamo's default every checkpointed layer
-    broke the graph, 8 breaks in HF Llama's first steps, and ran and recomputed eagerly; at T=1024 selective
-    checkpointing then kept 0.84x of the uncheckpointed row's tensor peak, where it keeps 0.68x on
-    turbotrain's gpt (benchmarks/2026-12-06-avx2-selective-checkpoint.md). Running such a side effect
-    once is also what the model means: eager checkpointing replays it in backward (a hook that
-    appends, appends twice).
+    inside each decoder layer as Dynamo sees it). With Dynamo's default every checkpointed layer
+    broke the graph (8 breaks in HF Llama's first steps) and ran and recomputed eagerly: at T=1024
+    selective checkpointing kept 0.84x of torch-compile-step's tensor peak at 1.00x its speed, and
+    0.80x at 1.09x once whole (benchmarks/2026-12-06-avx2-selective-checkpoint.md). Running such a
+    side effect once is also what the model means: eager checkpointing replays it in backward (a
+    hook that appends, appends twice).
     """
     config = torch._dynamo.config
     return config.patch(**{_ONCE: True}) if hasattr(config, _ONCE) else contextlib.nullcontext()
