@@ -8,7 +8,6 @@ effect once a forward.
 
 import pytest
 import torch
-from torch import nn
 
 from turbotrain import Config, Engine
 from test_memory import TinyGPT, loss_fn, make_batch
