@@ -10,7 +10,6 @@ eagerly. Padding batches up to a few bucket lengths bounds the graphs at ``len(b
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 
 import torch
@@ -78,8 +77,7 @@ def _side_effects_once():
     side effect once is also what the model means: eager checkpointing replays it in backward (a
     hook that appends, appends twice).
     """
-    config = torch._dynamo.config
-    return config.patch(**{_ONCE: True}) if hasattr(config, _ONCE) else contextlib.nullcontext()
+    return torch._dynamo.config.patch(**{_ONCE: True})
 
 
 class CompileTransform(Transform):
@@ -121,6 +119,8 @@ class CompileTransform(Transform):
                     return inner(*args, **kwargs)
 
         compiled = torch.compile(runner)
+        if not hasattr(torch._dynamo.config, _ONCE):
+            return compiled
 
         def run_compiled(*args, **kwargs):
             with _side_effects_once():
