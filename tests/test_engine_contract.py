@@ -2,6 +2,7 @@
 and a consistent Engine after any error."""
 
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -350,3 +351,115 @@ def test_nan_check_on_a_dict_batch_with_a_finite_forward_reports_the_backward():
     ids = torch.randint(0, 32, (2, 5))
     with pytest.raises(TurbotrainError, match="inf/NaN appeared"):
         engine.step({"input_ids": ids, "labels": ids})
+
+
+class DropoutNormNet(nn.Module):
+    """Dropout and BatchNorm between fusable Linears and a head: everything set-up runs could disturb."""
+
+    def __init__(self, vocab=32, d=16):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.up, self.act, self.drop = nn.Linear(d, 2 * d), nn.GELU(), nn.Dropout(0.3)
+        self.norm = nn.BatchNorm1d(2 * d)
+        self.head = nn.Linear(2 * d, vocab)
+
+    def forward(self, idx):
+        h = self.drop(self.act(self.up(self.emb(idx))))
+        return self.head(self.norm(h.transpose(1, 2)).transpose(1, 2))
+
+
+@pytest.mark.parametrize("config", [Config(device="cpu", fuse=True), Config(device="cpu", keep_fp32_head=True)],
+                         ids=["fuse", "keep_fp32_head"])
+def test_set_up_draws_no_random_numbers_and_moves_no_running_statistics(config):
+    """The forwards set-up runs (finding the head, probing, verifying) leave the run as a plain loop
+    would have it: the same dropout masks at every step and the same BatchNorm statistics."""
+    data = [(torch.randint(0, 32, (4, 8), generator=torch.Generator().manual_seed(i)),) * 2 for i in range(3)]
+
+    def loss_fn(logits, targets):
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    torch.manual_seed(0)
+    plain = DropoutNormNet()
+    opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    expected = []
+    for x, y in data:
+        loss = loss_fn(plain(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        expected.append(float(loss))
+    torch.manual_seed(0)
+    model = DropoutNormNet()
+    engine = Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn, config=config)
+    got = [float(engine.step(b).loss) for b in data]
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=0)
+    torch.testing.assert_close(model.norm.running_mean, plain.norm.running_mean, rtol=1e-5, atol=1e-7)
+    assert int(model.norm.num_batches_tracked) == len(data)
+
+
+class ScaledLogits(nn.Module):
+    """The logits are computed after a Linear's output was freed: with glibc's malloc they land at
+    the freed output's address."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.proj = nn.Embedding(32, 16), nn.Linear(16, 512)
+
+    def forward(self, idx):
+        a = self.proj(self.emb(idx))
+        h = torch.tanh(a)
+        del a
+        return h * 2
+
+
+def test_the_head_is_not_matched_by_the_address_of_a_freed_linear_output():
+    from turbotrain.plan import find_head
+
+    model, idx = ScaledLogits(), torch.zeros(4, 8, dtype=torch.long)
+    assert find_head(model, lambda: model(idx)) is None  # no Linear returns these logits
+
+
+class PostHeadLM(nn.Module):
+    """An LM whose loss does something to the logits after the head (or not: "none", "float", "scale1")."""
+
+    def __init__(self, what: str, vocab=32, d=16):
+        super().__init__()
+        self.what = what
+        self.emb, self.head = nn.Embedding(vocab, d), nn.Linear(d, vocab, bias=False)
+
+    def forward(self, input_ids, labels=None):
+        logits = self.head(self.emb(input_ids))
+        if self.what == "softcap":
+            logits = torch.tanh(logits / 30.0) * 30.0
+        elif self.what == "scale":
+            logits = logits / 8.0
+        elif self.what == "scale1":
+            logits = logits / 1.0
+        elif self.what == "float":
+            logits = logits.float()
+        if labels is None:
+            return SimpleNamespace(loss=None, logits=logits)
+        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        if self.what == "zloss":
+            loss = loss + 1e-4 * torch.logsumexp(logits, -1).pow(2).mean()
+        return SimpleNamespace(loss=loss, logits=logits)  # an output object, as transformers returns
+
+    def get_output_embeddings(self):  # as transformers models say which Linear is the head
+        return self.head
+
+
+@pytest.mark.parametrize("what, fused", [("none", True), ("float", True), ("scale1", True),
+                                         ("softcap", False), ("scale", False), ("zloss", False)])
+def test_the_loss_head_is_fused_only_when_the_logits_go_straight_into_cross_entropy(what, fused):
+    """A soft cap changes the loss of an initialised model's small logits by ~1e-7, under the loss
+    check's tolerance; the graph check is what refuses it."""
+    torch.manual_seed(0)
+    model = PostHeadLM(what)
+    ids = torch.randint(0, 32, (4, 8), generator=torch.Generator().manual_seed(1))
+    engine = Engine(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                    config=Config(device="cpu", fuse=("linear_cross_entropy",)))
+    engine.step({"input_ids": ids, "labels": ids})
+    head = engine._transform("fusion").loss_head
+    assert head.fused is fused, head.reason
+    if not fused and what != "zloss":
+        assert "before the loss's log-softmax" in head.reason, head.reason

@@ -9,7 +9,7 @@ import torch
 from turbotrain import Config, Engine
 from turbotrain.memory import checkpointed_blocks
 
-from hf_models import FAMILIES, batches, build, unpadded_row
+from hf_models import FAMILIES, batches, build, transformers, unpadded_row
 
 #: What Config(fuse=True) fuses in each family (README lists the same). GPT-2's attention and MLP
 #: projections are transformers' Conv1D, not nn.Linear, so only its head's loss is fused.
@@ -104,3 +104,18 @@ def test_padding_for_buckets_leaves_the_loss_of_each_row_unchanged(family):
     with torch.no_grad():
         alone = float(copy.deepcopy(model)(**row).loss)
     assert padded_loss == pytest.approx(alone, rel=1e-5)
+
+
+def test_gemma2s_soft_capped_logits_keep_their_own_loss():
+    """Gemma 2 caps its logits (tanh(z/30)*30) before the loss: the fused head would skip the cap, which
+    on an initialised model's small logits the loss check alone cannot see."""
+    cfg = transformers.Gemma2Config(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                    max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.Gemma2ForCausalLM(cfg)
+    engine = Engine(model, torch.optim.AdamW(model.parameters(), lr=2e-3), config=Config(device="cpu", fuse=True))
+    engine.step(batches("llama", 1)[0])
+    head = engine._transform("fusion").loss_head
+    assert not head.fused and "log-softmax" in head.reason, head.reason
+    assert {s.pattern for s in engine.fusion_report.fused} >= {"qkv"}

@@ -26,11 +26,14 @@ Parameter the model no longer holds.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 from torch import nn
+
+from .utils import leaves_no_trace
 
 __all__ = ["Transform", "ModelPlan", "ApplyContext", "StepContext", "is_norm_module", "find_head", "NORM_MODULE_TYPES"]
 
@@ -210,21 +213,24 @@ def find_head(model: nn.Module, run=None) -> Optional[str]:
     guessing by names.
     """
     if run is not None:
-        outputs: dict[int, str] = {}
+        # Each Linear's output by address, with a weak reference: an output freed during the forward
+        # gives its memory to later tensors, the logits among them, and must not match by address.
+        outputs: dict[int, tuple[str, weakref.ref]] = {}
         handles = []
         for name, module in model.named_modules():
             if isinstance(module, nn.Linear):
                 handles.append(module.register_forward_hook(
-                    lambda mod, args, out, name=name: outputs.__setitem__(out.data_ptr(), name)
+                    lambda mod, args, out, name=name: outputs.__setitem__(out.data_ptr(), (name, weakref.ref(out)))
                     if isinstance(out, torch.Tensor) else None))
         try:
-            with torch.no_grad():
+            with torch.no_grad(), leaves_no_trace(model):
                 logits = _logits_of(run())
         finally:
             for h in handles:
                 h.remove()
-        if logits is not None and logits.data_ptr() in outputs:
-            return outputs[logits.data_ptr()]
+        name, ref = outputs.get(logits.data_ptr(), (None, None)) if logits is not None else (None, None)
+        if ref is not None and ref() is not None:
+            return name
     get = getattr(model, "get_output_embeddings", None)
     if callable(get):
         head = get()

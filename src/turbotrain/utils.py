@@ -1,4 +1,5 @@
-"""Small helpers more than one package needs: atomic file writes, device sync, SQNR, optional imports.
+"""Small helpers more than one package needs: atomic file writes, device sync, SQNR, optional imports,
+model runs that leave no trace.
 
 This module imports nothing from turbotrain but ``errors``, so every package can use it without an
 import cycle.
@@ -149,3 +150,24 @@ def local_shard(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's shard on this rank (read without a collective; an in-place op on it changes the
     DTensor), else ``t`` itself."""
     return t.to_local() if hasattr(t, "to_local") else t
+
+
+@contextlib.contextmanager
+def leaves_no_trace(model: torch.nn.Module):
+    """Run ``model`` for inspection without changing what the training run does next.
+
+    The global random state (CPU and the CUDA devices the model is on) is restored afterwards, so a
+    probe's dropout masks are not drawn from the run's stream, and every buffer (BatchNorm running
+    statistics, counters) gets its value back. A backward through the probe's graph belongs inside
+    the block: the buffers it saved are put back on leaving it.
+    """
+    cuda = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
+    saved = [(b, b.detach().clone()) for b in model.buffers()]
+    with torch.random.fork_rng(devices=cuda):
+        try:
+            yield
+        finally:
+            with torch.no_grad():  # only those that changed: a copy bumps the version autograd checks
+                for b, value in saved:
+                    if not torch.equal(b, value):
+                        b.copy_(value)

@@ -11,7 +11,10 @@ handled alike.
 Whether the loss so computed equals the one the run would compute unfused is not assumed:
 :func:`install_loss_head` checks it on the first batch, in the run's precision, for the loss value
 and the head's weight gradient, with the targets as given and shifted by one (causal LMs), and
-leaves the model as it was, with the reason, when neither matches.
+leaves the model as it was, with the reason, when neither matches. Before that it reads the stock
+loss's autograd graph: between the head and cross-entropy's log-softmax the logits may be viewed,
+cast and selected but not transformed, since a soft cap or a logit scale changes the loss little
+on the small logits of an initialised model and much once training has grown them.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..batch import IGNORE_INDEX, Batch, LossContract, is_causal_model
+from ..utils import leaves_no_trace
 from .modules import _autocast_dtype
 from .ops.linear_cross_entropy import linear_cross_entropy
 
@@ -134,18 +138,102 @@ def _first_rows(batch: Batch, rows: int) -> Batch:
                  tree_map_only(Tensor, cut, batch.targets), kind=batch.kind, size=min(rows, batch.size or rows))
 
 
-def _run(model, head_weight, contract: LossContract, batch: Batch, context, fused: Optional[FusedLossHead]):
-    with torch.random.fork_rng(devices=[]), context():
-        torch.manual_seed(0)  # same dropout masks in the stock and the fused run
-        if fused is None:
-            loss = contract(model, batch)
-        else:
-            targets, call = loss_targets(batch)
-            fused.arm(targets)
-            model(*call.args, **call.kwargs)
-            loss = fused.take_loss()
-    (grad,) = torch.autograd.grad(loss, [head_weight])
-    return loss.detach().float(), grad.detach()
+#: Autograd nodes that may stand between the head's output and the loss's log-softmax: they move,
+#: cast or select logits but compute nothing from them.
+_CARRIERS = frozenset({
+    "ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "AliasBackward0", "CloneBackward0",
+    "ToCopyBackward0", "TransposeBackward0", "TransposeBackward1", "TBackward0", "PermuteBackward0",
+    "SqueezeBackward0", "SqueezeBackward1", "SqueezeBackward2", "UnsqueezeBackward0", "SliceBackward0",
+    "SelectBackward0", "IndexBackward0", "SplitBackward0", "SplitWithSizesBackward0", "UnbindBackward0",
+    "NarrowBackward0",
+})
+_LOG_SOFTMAX = frozenset({"LogSoftmaxBackward0"})
+
+
+def _is_identity_scale(node) -> bool:
+    """``logits * 1`` or ``logits / 1`` (a model's configurable logit scale left at one)."""
+    if type(node).__name__ not in ("MulBackward0", "DivBackward0"):
+        return False
+    other = getattr(node, "_saved_other", None)
+    return isinstance(other, Tensor) and other.numel() == 1 and float(other) == 1.0
+
+
+def logits_feed_only_the_log_softmax(loss: Tensor, logits: Tensor) -> str:
+    """Why the fused head would not compute what ``loss`` computes from ``logits``, or "" if it would.
+
+    The fused kernel is cross-entropy on the head's raw output. So on every path of the autograd graph
+    from the loss down to the logits, the ops below the log-softmax of cross-entropy may only carry the
+    logits (views, casts, copies, selections), never transform them: a soft cap (``tanh(z/c)*c``),
+    a temperature or logit scale, a z-loss on the logits, all of which a loss check at initialisation
+    (small logits) can miss, are refused here.
+    """
+    target = logits.grad_fn
+    if target is None or loss.grad_fn is None:
+        return "the logits or the loss carry no autograd graph to inspect"
+    reaches: dict = {}
+
+    def reaches_target(node) -> bool:  # iterative, memoised: the graph of a deep model is deep
+        stack = [node]
+        while stack:
+            n = stack[-1]
+            if n in reaches:
+                stack.pop()
+                continue
+            children = [c for c, _ in n.next_functions if c is not None]
+            pending = [c for c in children if c not in reaches and c is not target]
+            if pending:
+                stack.extend(pending)
+                continue
+            reaches[n] = n is target or any(c is target or reaches[c] for c in children)
+            stack.pop()
+        return reaches[node]
+
+    reaches[target] = True
+    if not reaches_target(loss.grad_fn):
+        return "the logits do not reach the loss in its autograd graph"
+    seen, stack = set(), [(loss.grad_fn, False)]
+    while stack:
+        node, below = stack.pop()
+        if (node, below) in seen:
+            continue
+        seen.add((node, below))
+        if node is target:
+            if not below:
+                return "the logits reach the loss other than through cross-entropy's log-softmax"
+            continue
+        name = type(node).__name__
+        if below and name not in _CARRIERS and not _is_identity_scale(node):
+            return f"the logits pass through {name.removesuffix('Backward0')} before the loss's log-softmax"
+        now_below = below or name in _LOG_SOFTMAX
+        stack.extend((c, now_below) for c, _ in node.next_functions if c is not None and reaches.get(c, False))
+    return ""
+
+
+def _run(model, head, contract: LossContract, batch: Batch, context, fused: Optional[FusedLossHead]):
+    """Loss and head-weight gradient of one seeded run; for the stock run also why the fused head would
+    compute something else ("" if not), read off the autograd graph before the gradient frees it."""
+    seen = []
+    hook = head.register_forward_hook(lambda mod, args, out: seen.append(out)) if fused is None else None
+    try:
+        with leaves_no_trace(model):
+            with context():
+                torch.manual_seed(0)  # same dropout masks in the stock and the fused run
+                if fused is None:
+                    loss = contract(model, batch)
+                else:
+                    targets, call = loss_targets(batch)
+                    fused.arm(targets)
+                    model(*call.args, **call.kwargs)
+                    loss = fused.take_loss()
+            why = ""
+            if fused is None:
+                why = (logits_feed_only_the_log_softmax(loss, seen[0])
+                       if len(seen) == 1 and isinstance(seen[0], Tensor) else f"the head ran {len(seen)} times in one forward")
+            (grad,) = torch.autograd.grad(loss, [head.weight])
+    finally:
+        if hook is not None:
+            hook.remove()
+    return loss.detach().float(), grad.detach(), why
 
 
 def install_loss_head(model: nn.Module, head_path: str, contract: LossContract, example: Batch,
@@ -167,7 +255,9 @@ def install_loss_head(model: nn.Module, head_path: str, contract: LossContract, 
     owner_path, _, name = head_path.rpartition(".")
     owner = model.get_submodule(owner_path)
     sample = _first_rows(example, 2)
-    ref_loss, ref_grad = _run(model, head.weight, contract, sample, context, None)
+    ref_loss, ref_grad, why = _run(model, head, contract, sample, context, None)
+    if why:
+        return LossHeadResult(head_path, False, why), None
     rel_bound, sqnr_bound = LOSS_TOLERANCES.get(run_dtype, LOSS_TOLERANCES[torch.float32])
     causal_first = is_causal_model(model) and example.kind == "mapping"
     tried = []
@@ -177,7 +267,7 @@ def install_loss_head(model: nn.Module, head_path: str, contract: LossContract, 
         fused = FusedLossHead(head, shift)
         setattr(owner, name, fused)
         try:
-            loss, grad = _run(model, head.weight, contract, sample, context, fused)
+            loss, grad, _ = _run(model, fused, contract, sample, context, fused)
         except Exception as exc:  # noqa: BLE001 - the user's forward may not run this way; report it
             setattr(owner, name, head)
             return LossHeadResult(head_path, False, f"the fused head could not run ({type(exc).__name__}: {exc})"), None

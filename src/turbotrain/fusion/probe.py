@@ -15,7 +15,6 @@ True
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -24,6 +23,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from ..errors import FusionError
+from ..utils import leaves_no_trace
 
 __all__ = ["Call", "Trace", "probe", "check_example"]
 
@@ -79,22 +79,6 @@ def _detached_copy(tree):
         lambda t: t.detach().clone().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t, tree)
 
 
-def _rng_devices(model: nn.Module) -> list[int]:
-    return sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
-
-
-@contextlib.contextmanager
-def _restored_buffers(model: nn.Module):
-    """Running statistics (BatchNorm) the probe's forward updates are put back afterwards."""
-    saved = [(b, b.detach().clone()) for b in model.buffers()]
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for b, value in saved:
-                b.copy_(value)
-
-
 def probe(model: nn.Module, example) -> Trace:
     """Call ``model(*args, **kwargs)`` once, with grad enabled, and return every module call.
 
@@ -127,7 +111,7 @@ def probe(model: nn.Module, example) -> Trace:
         for module in {id(m): m for m in model.modules()}.values():
             handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
             handles.append(module.register_forward_hook(after, with_kwargs=True))
-        with torch.random.fork_rng(devices=_rng_devices(model)), _restored_buffers(model), torch.enable_grad():
+        with leaves_no_trace(model), torch.enable_grad():
             try:
                 model(*args, **kwargs)
             except Exception as exc:
