@@ -420,3 +420,39 @@ def test_mask_never_leaves_a_batch_without_targets(corpus):
     for seed in range(20):
         _, targets = mask_tokens(window, corpus.mask_id, corpus.vocab_size, 0.01, split_generator(seed, "train"))
         assert (targets != -100).any()
+
+
+@pytest.mark.parametrize("model_type, objective, mlp", [("qwen2", "causal", 320), ("gpt_neox", "causal", 256),
+                                                        ("roberta", "masked", 256), ("gpt2", "causal", None)])
+def test_any_transformers_family_is_a_workload_at_the_shared_shape(model_type, objective, mlp):
+    """hf:<model_type> builds the family's own model at d/n_layer/n_head/T/vocab, with the family's
+    MLP ratio (Qwen2's 22016/4096 at d=64: 344, to the nearest 64: 320), no dropout and its own loss."""
+    pytest.importorskip("transformers")
+    wl = get_workload(f"hf:{model_type}", **TEXT)
+    assert wl.settings["objective"] == objective and wl.loss_fn is None
+    model = wl.build_model()
+    config = model.config
+    assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads) == (64, 1, 4)
+    assert config.vocab_size == wl.settings["vocab_size"]
+    if mlp is not None:
+        assert getattr(config, "intermediate_size") == mlp
+    assert not any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules())
+    batch = next(wl.batches())
+    chosen = batch["labels"] != -100
+    assert chosen.all() if objective == "causal" else 0 < chosen.sum() < chosen.numel()
+    loss = wl.loss(model, batch)
+    assert loss.dim() == 0 and math.log(config.vocab_size) * 0.8 < float(loss) < math.log(config.vocab_size) * 1.3
+    loss.backward()
+
+
+@pytest.mark.parametrize("name, match", [("hf:no_such_family", "no causal- or masked-LM model of type"),
+                                         ("hf:t5", "no causal- or masked-LM"), ("hf:bart", "encoder-decoder"), ("hf:", "unknown workload")])
+def test_a_transformers_type_that_is_not_a_language_model_workload_is_refused(name, match):
+    pytest.importorskip("transformers")
+    with pytest.raises(UnknownWorkloadError, match=match):
+        get_workload(name, **TEXT)
+
+
+def test_hf_auto_settings_are_checked_like_the_others():
+    with pytest.raises(ConfigError, match="no setting 'width'"):
+        get_workload("hf:qwen2", width=3)

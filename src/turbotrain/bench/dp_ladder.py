@@ -593,7 +593,7 @@ def run_dp_ladder(workload: str = "gpt", nproc: int = 2, steps: int | None = Non
     pass it (see the module docstring); None, no cap.
     """
     from ..precision.config import PRECISIONS
-    from .runner import QUICK_OVERRIDES
+    from .runner import quick_overrides
 
     out = check_output_dir(out_dir)
     console = make_console(console)
@@ -627,7 +627,7 @@ def run_dp_ladder(workload: str = "gpt", nproc: int = 2, steps: int | None = Non
 
         precision, reason = resolve_precision("auto", torch.device("cpu"))
         precision_note = f"precision 'auto' chose {precision!r}: {reason}"
-    overrides = {**(QUICK_OVERRIDES.get(workload, {}) if quick else {}), **(overrides or {})}
+    overrides = {**(quick_overrides(workload) if quick else {}), **(overrides or {})}
     val_batches = 2 if quick else 4
     doc_header = _header(workload, overrides, names, nproc, steps, warmup, precision, link, quick, seed, val_batches,
                          max_state_bytes, rounds, wire_problem)

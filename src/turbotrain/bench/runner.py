@@ -26,7 +26,7 @@ from .stats import BOOTSTRAP_RESAMPLES, slow_dtypes
 from .worker import CPU_MEMORY_METHOD, CPU_TENSOR_METHOD, CUDA_MEMORY_METHOD, WorkerSpec, fixed_batches, load_workload
 
 __all__ = ["LadderSettings", "run_ladder", "plan_rows", "choose_reference", "slow_dtypes", "BASELINE", "REFERENCE",
-           "QUICK_OVERRIDES", "QUICK_CONFIGS", "DEFAULT_STEPS", "DEFAULT_WARMUP", "DEFAULT_ROUNDS", "QUICK_STEPS",
+           "QUICK_OVERRIDES", "quick_overrides", "QUICK_CONFIGS", "DEFAULT_STEPS", "DEFAULT_WARMUP", "DEFAULT_ROUNDS", "QUICK_STEPS",
            "QUICK_WARMUP", "QUICK_ROUNDS", "MEASUREMENT"]
 
 MFU_CONVENTIONS = ("achieved FLOP/s (flops_per_step / step time) divided by the matmul peak of the "
@@ -43,6 +43,15 @@ MEASUREMENT = ("each row in its own long-lived worker, built and warmed up one a
 _QUICK_TEXT = {"d": 128, "n_layer": 2, "n_head": 4, "T": 64, "B": 4}
 QUICK_OVERRIDES = {name: dict(_QUICK_TEXT) for name in ("gpt", "llama", "bert", "user-gpt", "hf-llama", "hf-gpt2",
                                                         "hf-bert")}
+
+
+def quick_overrides(workload: str) -> dict:
+    """The settings quick mode gives ``workload`` (``hf:<model_type>`` workloads get the text ones)."""
+    from ..workloads.hf import AUTO_PREFIX
+
+    if workload.startswith(AUTO_PREFIX):
+        return dict(_QUICK_TEXT)
+    return dict(QUICK_OVERRIDES.get(workload, {}))
 QUICK_CONFIGS = ("fp32-eager", "torch-amp", REFERENCE, "tt-fp32", "tt-bf16-master")
 # The default CPU ladder is 10 rows of the default gpt (the reference twice). Measured on 2 cores
 # (shared): an fp32 step ~1.3 s, a bf16 step ~0.5 s, torch.compile ~45 s of warm-up; 20 measured
@@ -110,7 +119,7 @@ def _plan(settings: LadderSettings) -> tuple[str, list[str], dict, list[str]]:
         get_config(settings.reference)  # a bad --reference costs a line, not a ladder
     overrides = dict(settings.overrides)
     if settings.quick:
-        overrides = {**QUICK_OVERRIDES.get(settings.workload, {}), **overrides}
+        overrides = {**quick_overrides(settings.workload), **overrides}
         size = f"model shrunk to {overrides}" if overrides else "model at its default size"
         notes.append(f"quick mode: {settings.steps} steps in {min(settings.rounds, settings.steps)} rounds, "
                      f"{settings.warmup} warm-up, {size}; a smoke test, not a benchmark")

@@ -13,7 +13,7 @@ __all__ = ["add_parsers"]
 
 def _tune(args) -> int:
     started = time.monotonic()  # the budget counts from here: imports and analysis are part of it
-    from ..bench.runner import QUICK_OVERRIDES
+    from ..bench.runner import quick_overrides
     from ..bench.worker import load_workload
     from ..tune.dp_search import check_dp_settings
     from ..tune.search import TuneSettings, parse_duration, parse_memory, run_tune
@@ -34,7 +34,7 @@ def _tune(args) -> int:
     check_output_dir(args.out)
     overrides = parse_overrides(args.set)
     if args.quick:
-        overrides = {**QUICK_OVERRIDES.get(args.workload, {}), **overrides}
+        overrides = {**quick_overrides(args.workload), **overrides}
     workload = load_workload(args.workload, overrides)  # a bad name or setting costs a line, not a search
     settings = TuneSettings(budget_s=budget, max_memory=max_memory, steps=args.steps, rounds=args.rounds,
                             warmup=args.warmup, seed=args.seed, val_batches=2 if args.quick else 4,

@@ -2,12 +2,14 @@
 
 ``get_workload(name, **overrides)`` is the one entry point; overrides are the fields of that
 workload's settings dataclass (``GPTSettings``, ``LlamaSettings``, ``BertSettings``,
-``ResNetSettings``, ``MLPSettings``, ``HFSettings``, ``HFBertSettings``).
+``ResNetSettings``, ``MLPSettings``, ``HFSettings``, ``HFBertSettings``, ``HFAutoSettings``).
 
 Foreign workloads are models turbotrain was not shaped around: ``user-gpt`` (a GPT in a user's
 own naming, with its own loss function) and ``hf-llama``/``hf-gpt2``/``hf-bert`` (transformers
 models with dict batches and their own ``labels=`` loss; transformers is imported when one is
-built, ``pip install 'turbotrain[hf]'``).
+built, ``pip install 'turbotrain[hf]'``). ``hf:<model_type>`` (``hf:qwen2``, ``hf:mistral``,
+``hf:roberta``, ...) builds any transformers causal- or masked-LM family from its own config at the
+same shape fields (``HFAutoSettings``).
 
 >>> wl = get_workload("gpt", d=64, n_layer=1, n_head=4, T=32, B=2)
 >>> wl.unit, wl.items_per_batch
@@ -24,7 +26,7 @@ from .base import Batch, Workload, cross_entropy_loss, user_loss
 from .bert import BertSettings
 from .data import Corpus, load_corpus, text_batches
 from .gpt import GPTSettings
-from .hf import HFBertSettings, HFSettings
+from .hf import HFAutoSettings, HFBertSettings, HFSettings
 from .llama import LlamaSettings
 from .mlp import MLPSettings
 from .resnet import ResNetSettings
@@ -49,6 +51,7 @@ __all__ = [
     "MLPSettings",
     "HFSettings",
     "HFBertSettings",
+    "HFAutoSettings",
     # the real-text corpus
     "Corpus",
     "load_corpus",
@@ -83,8 +86,12 @@ _ACCEPTS = {
 
 def settings_class(name: str) -> type:
     """The settings dataclass of workload ``name`` (its fields are the valid overrides)."""
+    if name.startswith(hf.AUTO_PREFIX) and name != hf.AUTO_PREFIX:
+        return HFAutoSettings
     if name not in _REGISTRY:
-        raise UnknownWorkloadError(f"unknown workload {name!r}; choose one of: {', '.join(WORKLOADS)}")
+        raise UnknownWorkloadError(f"unknown workload {name!r}; choose one of: {', '.join(WORKLOADS)}, "
+                                   f"or {hf.AUTO_PREFIX}<model_type> for any transformers language model "
+                                   f"(e.g. {hf.AUTO_PREFIX}qwen2)")
     return _REGISTRY[name][0]
 
 
@@ -96,6 +103,8 @@ def get_workload(name: str, **overrides) -> Workload:
     """
     cls = settings_class(name)
     _check_overrides(name, cls, overrides)
+    if cls is HFAutoSettings:
+        return hf.make_auto(name[len(hf.AUTO_PREFIX):], cls(**overrides))
     return _REGISTRY[name][1](cls(**overrides))
 
 

@@ -33,7 +33,8 @@ from .data import load_corpus, sample_windows, seeded_build, split_generator
 from .gpt import TransformerSettings
 from .llama import LlamaSettings
 
-__all__ = ["HFSettings", "HFBertSettings", "make_llama", "make_gpt2", "make_bert", "dict_batches", "HF_WORKLOADS"]
+__all__ = ["HFSettings", "HFBertSettings", "HFAutoSettings", "make_llama", "make_gpt2", "make_bert", "make_auto",
+           "dict_batches", "HF_WORKLOADS", "AUTO_PREFIX"]
 
 HF_WORKLOADS = ("hf-llama", "hf-gpt2", "hf-bert")
 
@@ -133,3 +134,103 @@ def make_bert(settings: HFBertSettings | None = None) -> Workload:
 
     return _workload("hf-bert", s, lambda: tf.BertForMaskedLM(config),
                      f"transformers BertForMaskedLM (MLM, {s.mask_prob:.0%} masked)", masked=masked)
+
+
+# --- any transformers language model, by its model_type ---------------------------------------
+
+#: ``--workload hf:<model_type>``: the prefix of a workload built from any transformers model type.
+AUTO_PREFIX = "hf:"
+#: Names a config may give its MLP width, in the order they are looked for.
+_MLP_WIDTH_KEYS = ("intermediate_size", "ffn_dim", "n_inner", "d_ff", "hidden_dim", "ffn_hidden_size")
+#: Token-id fields that must index the (small) vocabulary when set.
+_TOKEN_ID_KEYS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id",
+                  "cls_token_id", "mask_token_id")
+
+
+@dataclass(frozen=True)
+class HFAutoSettings(HFBertSettings):
+    """The shape fields of every hf workload; ``mask_prob`` is used by the masked-LM families only."""
+
+
+def auto_objective(model_type: str) -> str:
+    """'masked' for a family with a masked-LM head (BERT's objective first), 'causal' for one with a
+    causal-LM head; a type with neither is refused, naming a few that work."""
+    from ..errors import UnknownWorkloadError
+
+    _transformers(f"{AUTO_PREFIX}{model_type}")
+    from transformers.models.auto import modeling_auto as auto
+
+    if model_type in auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES:
+        return "masked"
+    if model_type in auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return "causal"
+    raise UnknownWorkloadError(
+        f"transformers has no causal- or masked-LM model of type {model_type!r}; "
+        f"use a model_type such as llama, qwen2, mistral, gemma, gpt2, gpt_neox, opt, bert or roberta")
+
+
+def auto_config(model_type: str, s: HFSettings):
+    """The family's own config at the workload's shape: width, depth, heads (as many key/value heads as
+    query heads), vocabulary, positions; the MLP at the family's default width-to-MLP ratio; no
+    dropout, no KV cache; token ids that fall outside the small vocabulary unset."""
+    tf = _transformers(f"{AUTO_PREFIX}{model_type}")
+    default = tf.AutoConfig.for_model(model_type)
+    alias = dict(getattr(type(default), "attribute_map", {}) or {})
+
+    def key(name: str) -> str:
+        return alias.get(name, name)
+
+    kwargs = {key("hidden_size"): s.d, key("num_hidden_layers"): s.n_layer,
+              key("num_attention_heads"): s.n_head, key("vocab_size"): s.vocab_size, "use_cache": False}
+    names = set(default.to_dict()) | set(alias)
+    if "num_key_value_heads" in names:
+        kwargs[key("num_key_value_heads")] = s.n_head
+    if "head_dim" in names:
+        kwargs[key("head_dim")] = s.d // s.n_head
+    if "max_position_embeddings" in names:
+        kwargs[key("max_position_embeddings")] = s.T + 2  # roberta's positions start after its padding id
+    width = getattr(default, key("hidden_size"), None)
+    for name in _MLP_WIDTH_KEYS:
+        mlp = default.to_dict().get(name)
+        if isinstance(mlp, int) and isinstance(width, int) and width > 0:
+            kwargs[name] = max(64, round(mlp / width * s.d / 64) * 64)
+            break
+    for name, value in default.to_dict().items():
+        if isinstance(value, float) and ("dropout" in name or "pdrop" in name):
+            kwargs[name] = 0.0
+    for name in _TOKEN_ID_KEYS:
+        value = getattr(default, name, None)
+        if isinstance(value, int) and value >= s.vocab_size:
+            kwargs[name] = 0 if name == "decoder_start_token_id" else None
+        elif isinstance(value, (list, tuple)):
+            kwargs[name] = [v for v in value if v < s.vocab_size] or None
+    return tf.AutoConfig.for_model(model_type, **kwargs)
+
+
+def make_auto(model_type: str, settings: HFAutoSettings | None = None) -> Workload:
+    """Any transformers language model by ``model_type`` (``--workload hf:qwen2``), built from its own
+    config at this workload's shape (:func:`auto_config`) and trained with its own ``labels=`` loss:
+    causal-LM batches, or BERT's masked-LM batches for a family with a masked-LM head. SDPA attention
+    where the family has it; where it does not, the model's own attention, and the description says so."""
+    s = settings or HFAutoSettings()
+    name = f"{AUTO_PREFIX}{model_type}"
+    objective = auto_objective(model_type)
+    tf = _transformers(name)
+    config = auto_config(model_type, s)
+    if getattr(config, "is_encoder_decoder", False):
+        from ..errors import UnknownWorkloadError
+
+        raise UnknownWorkloadError(f"{model_type!r} is an encoder-decoder model; hf:<model_type> trains decoder-only "
+                                   "(causal) and encoder-only (masked) language models")
+    auto_class = tf.AutoModelForMaskedLM if objective == "masked" else tf.AutoModelForCausalLM
+    model_class = auto_class._model_mapping[type(config)]
+    attention = "sdpa" if getattr(model_class, "_supports_sdpa", False) else "eager"
+    config._attn_implementation = attention
+    masked = None
+    if objective == "masked":
+        def masked(window, corpus, generator):
+            return mask_tokens(window, corpus.mask_id, corpus.vocab_size, s.mask_prob, generator)
+    settings_out = {**asdict(s), "model_type": model_type, "objective": objective, "attention": attention,
+                    "model_class": model_class.__name__}
+    what = f"transformers {model_class.__name__} ({objective} LM, {attention} attention)"
+    return _workload(name, s, lambda: model_class(config), what, masked=masked, settings=settings_out)
