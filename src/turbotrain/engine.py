@@ -288,7 +288,7 @@ class Engine:
         if head is not None:
             from .fusion.loss_head import loss_targets
 
-            labels, call = loss_targets(batch)
+            labels, call = loss_targets(batch, self.module)
             head.arm(labels)
             self.model(*call.args, **call.kwargs)
             return head.take_loss()

@@ -111,17 +111,22 @@ class LossHeadResult:
     grad_sqnr_db: float = math.nan
 
 
-def loss_targets(batch: Batch) -> tuple[Optional[Tensor], Batch]:
+def loss_targets(batch: Batch, model: Optional[nn.Module] = None) -> tuple[Optional[Tensor], Batch]:
     """The targets the fused head scores against, and the batch the model is then called with.
 
     A mapping gives up its ``labels`` (so the model does not compute its own loss on the
-    placeholder); the tuple contract keeps its targets aside already.
+    placeholder); an encoder-decoder model (T5, BART) that made its decoder inputs from them gets
+    those decoder inputs instead. The tuple contract keeps its targets aside already.
     """
     if batch.kind == "mapping":
         if "labels" not in batch.kwargs:
             return None, batch
         kwargs = dict(batch.kwargs)
         labels = kwargs.pop("labels")
+        prepare = getattr(model, "prepare_decoder_input_ids_from_labels", None)
+        if (callable(prepare) and getattr(getattr(model, "config", None), "is_encoder_decoder", False)
+                and kwargs.get("decoder_input_ids") is None and kwargs.get("decoder_inputs_embeds") is None):
+            kwargs["decoder_input_ids"] = prepare(labels=labels)
         return labels, Batch((), kwargs, kind="mapping", size=batch.size)
     if batch.kind == "tuple" and len(batch.args) == 1:
         return batch.targets, batch
@@ -221,7 +226,7 @@ def _run(model, head, contract: LossContract, batch: Batch, context, fused: Opti
                 if fused is None:
                     loss = contract(model, batch)
                 else:
-                    targets, call = loss_targets(batch)
+                    targets, call = loss_targets(batch, model)
                     fused.arm(targets)
                     model(*call.args, **call.kwargs)
                     loss = fused.take_loss()
