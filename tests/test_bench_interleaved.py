@@ -328,6 +328,18 @@ def test_a_busy_re_measurement_does_not_lower_the_cached_peak(fake_gemms):
     assert peak.matmul_peak("fp32", "cpu", model, force=True)["value"] == 90.0  # forced: the maximum is dropped
 
 
+def test_a_new_workloads_peak_is_at_least_the_square_maximum_an_earlier_ladder_measured(fake_gemms):
+    assert peak.matmul_peak("fp32", "cpu", [Gemm(64, 32, 128)])["value"] == 120.0  # squares at 120 too
+    fake_gemms["probe"], fake_gemms["trials"] = 80.0, [90.0]  # another model's shapes, on a slow moment
+    other = [Gemm(64, 32, 256)]
+    first = peak.matmul_peak("fp32", "cpu", other)
+    assert first["value"] == 120.0 and first["per_gemm"][other[0].label] == 90.0
+    assert "earlier ladder on this machine" in first["reason"]
+    again = peak.matmul_peak("fp32", "cpu", other)  # from the cache (the probe agrees): still raised
+    assert again["source"] == "cached" and again["value"] == 120.0
+    assert peak.matmul_peak("fp32", "cpu", other, force=True)["value"] == 90.0
+
+
 # ------------------------------------------------------------------------- real worker processes
 def test_failing_and_hanging_rows_become_errors(plugin, tmp_path):
     specs = {name: WorkerSpec(workload="gpt", config=name, device="cpu", warmup=0, val_batches=1,

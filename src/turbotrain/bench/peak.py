@@ -14,6 +14,8 @@ PROBE_TOLERANCE, the machine is not the one the cache describes (busier then, or
 and the peak is measured again. A re-measurement that comes out below the cached peak while the
 probe is also lower keeps the cached peak: the machine is busier now, and a maximum is only ever
 lowered by asking (``force``). ``force=True`` (``TURBOTRAIN_REMEASURE=1``) always re-measures.
+Every entry holds the square shapes too, so a workload whose shapes are new to the cache (measured
+now) gets at least the best square figure an earlier ladder on this machine recorded.
 
 turbotrain.hardware's ``measure_matmul_peak`` (``turbotrain env``) is the square shape alone, timed
 with the same trials (hardware.timed_trials); the ladder keeps it in its header for comparison only.
@@ -163,11 +165,22 @@ def matmul_peak(dtype: str, device: str, model_gemms, *, force: bool = False,
     table = _load_cache()
     cached = table.get(key)
     force = force or os.environ.get("TURBOTRAIN_REMEASURE") == "1"
+    result = _cached_or_measured(table, key, cached, dtype, device, gemms, probe, force, settings)
+    if not force and (known := _square_maximum(table, key, dtype, device)) > result["value"]:
+        # A new workload's shapes have no cache entry of their own, but the square shapes every entry
+        # holds do: a machine slow at this moment must not lower the peak an earlier ladder measured.
+        result = {**result, "value": known,
+                  "reason": f"{result['reason']}: {result['value'] / 1e9:.1f} GFLOP/s, below the {known / 1e9:.1f} "
+                            "the square shape reached in an earlier ladder on this machine, which stands as the peak"}
+    return {**result, **now}
+
+
+def _cached_or_measured(table: dict, key: str, cached, dtype: str, device: str, gemms, probe: float, force: bool,
+                        settings: PeakSettings) -> dict:
     if cached and not force:
         drift = probe / cached["probe"] - 1
         if abs(drift) <= PROBE_TOLERANCE:
-            return {**cached, **now, "source": "cached",
-                    "reason": f"fresh probe within {abs(drift):.0%} of the cached one"}
+            return {**cached, "source": "cached", "reason": f"fresh probe within {abs(drift):.0%} of the cached one"}
         reason = (f"fresh probe {probe / 1e9:.1f} GFLOP/s is {drift:+.0%} from the cached "
                   f"{cached['probe'] / 1e9:.1f}, so measured again")
     else:
@@ -175,12 +188,23 @@ def matmul_peak(dtype: str, device: str, model_gemms, *, force: bool = False,
     entry = _measure(dtype, device, gemms, probe, settings)
     if cached and not force and probe < cached["probe"] and cached["value"] > entry["value"]:
         # slower now than when the cache was written: a busy moment, which must not lower a maximum
-        return {**cached, **now, "source": "cached",
+        return {**cached, "source": "cached",
                 "reason": f"{reason}: {entry['value'] / 1e9:.1f} GFLOP/s now, below the cached maximum, which "
                           "stands (a busy machine lowers a measurement, never the peak)"}
     table[key] = entry
     _save_cache(table)
-    return {**entry, **now, "source": "measured", "reason": reason}
+    return {**entry, "source": "measured", "reason": reason}
+
+
+def _square_maximum(table: dict, key: str, dtype: str, device: str) -> float:
+    """The best square-shape FLOP/s any cached entry of this machine, dtype and thread count holds."""
+    machine = key.rsplit("|", 1)[0]
+    squares = [g.label for g in square_gemms(dtype, device)]
+    best = 0.0
+    for other, entry in table.items():
+        if other.rsplit("|", 1)[0] == machine:
+            best = max(best, entry.get("probe", 0.0), *(entry.get("per_gemm", {}).get(label, 0.0) for label in squares))
+    return best
 
 
 def matmul_peaks(dtypes, device: str, model_gemms, *, force: bool = False,
