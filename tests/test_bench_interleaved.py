@@ -334,6 +334,7 @@ def test_a_new_workloads_peak_is_at_least_the_square_maximum_an_earlier_ladder_m
     other = [Gemm(64, 32, 256)]
     first = peak.matmul_peak("fp32", "cpu", other)
     assert first["value"] == 120.0 and first["per_gemm"][other[0].label] == 90.0
+    assert first["best_gemm"] in {g.label for g in peak.square_gemms("fp32", "cpu")}
     assert "earlier ladder on this machine" in first["reason"]
     again = peak.matmul_peak("fp32", "cpu", other)  # from the cache (the probe agrees): still raised
     assert again["source"] == "cached" and again["value"] == 120.0

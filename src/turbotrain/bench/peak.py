@@ -166,10 +166,11 @@ def matmul_peak(dtype: str, device: str, model_gemms, *, force: bool = False,
     cached = table.get(key)
     force = force or os.environ.get("TURBOTRAIN_REMEASURE") == "1"
     result = _cached_or_measured(table, key, cached, dtype, device, gemms, probe, force, settings)
-    if not force and (known := _square_maximum(table, key, dtype, device)) > result["value"]:
+    known, square = _square_maximum(table, key, dtype, device)
+    if not force and known > result["value"]:
         # A new workload's shapes have no cache entry of their own, but the square shapes every entry
         # holds do: a machine slow at this moment must not lower the peak an earlier ladder measured.
-        result = {**result, "value": known,
+        result = {**result, "value": known, "best_gemm": square,
                   "reason": f"{result['reason']}: {result['value'] / 1e9:.1f} GFLOP/s, below the {known / 1e9:.1f} "
                             "the square shape reached in an earlier ladder on this machine, which stands as the peak"}
     return {**result, **now}
@@ -196,15 +197,20 @@ def _cached_or_measured(table: dict, key: str, cached, dtype: str, device: str, 
     return {**entry, "source": "measured", "reason": reason}
 
 
-def _square_maximum(table: dict, key: str, dtype: str, device: str) -> float:
-    """The best square-shape FLOP/s any cached entry of this machine, dtype and thread count holds."""
+def _square_maximum(table: dict, key: str, dtype: str, device: str) -> tuple[float, str]:
+    """The best square-shape FLOP/s any cached entry of this machine, dtype and thread count holds, and
+    the square shape that reached it."""
     machine = key.rsplit("|", 1)[0]
     squares = [g.label for g in square_gemms(dtype, device)]
-    best = 0.0
+    best, best_label = 0.0, squares[0]
     for other, entry in table.items():
-        if other.rsplit("|", 1)[0] == machine:
-            best = max(best, entry.get("probe", 0.0), *(entry.get("per_gemm", {}).get(label, 0.0) for label in squares))
-    return best
+        if other.rsplit("|", 1)[0] != machine:
+            continue
+        for label, value in [(squares[0], entry.get("probe", 0.0)),
+                             *((sq, entry.get("per_gemm", {}).get(sq, 0.0)) for sq in squares)]:
+            if value > best:
+                best, best_label = value, label
+    return best, best_label
 
 
 def matmul_peaks(dtypes, device: str, model_gemms, *, force: bool = False,
