@@ -112,7 +112,8 @@ def add_parsers(subparsers, parents=()) -> None:
     p = subparsers.add_parser("bench", parents=parents,
                               help="run the benchmark ladder: peer PyTorch recipes vs turbotrain configs, "
                                    "interleaved round by round")
-    p.add_argument("--workload", default="gpt", help="workload name (default gpt)")
+    p.add_argument("--workload", default="gpt",
+                   help="workload name (default gpt), or hf:<model_type> for any transformers LM (e.g. hf:qwen2)")
     p.add_argument("--configs", default=None,
                    help="comma-separated config names (default: the device's default set; with --nproc: "
                         + ", ".join(DEFAULT_CONFIGS) + "; also "

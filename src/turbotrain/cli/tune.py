@@ -65,7 +65,8 @@ def add_parsers(subparsers, parents=()) -> None:
     p = subparsers.add_parser("tune", parents=parents,
                               help="find the fastest Config for a workload here that keeps the loss, within a "
                                    "time (and memory) budget")
-    p.add_argument("--workload", default="gpt", help="workload name (default gpt)")
+    p.add_argument("--workload", default="gpt",
+                   help="workload name (default gpt), or hf:<model_type> for any transformers LM (e.g. hf:qwen2)")
     p.add_argument("--budget", default="5m", help="wall time of the whole search: 300, 300s, 5m (default 5m)")
     p.add_argument("--max-memory", default=None, metavar="SIZE",
                    help="memory a candidate may use, e.g. 8G (estimated before it runs, measured after)")
