@@ -52,6 +52,8 @@ def quick_overrides(workload: str) -> dict:
     if workload.startswith(AUTO_PREFIX):
         return dict(_QUICK_TEXT)
     return dict(QUICK_OVERRIDES.get(workload, {}))
+
+
 QUICK_CONFIGS = ("fp32-eager", "torch-amp", REFERENCE, "tt-fp32", "tt-bf16-master")
 # The default CPU ladder is 10 rows of the default gpt (the reference twice). Measured on 2 cores
 # (shared): an fp32 step ~1.3 s, a bf16 step ~0.5 s, torch.compile ~45 s of warm-up; 20 measured

@@ -175,6 +175,7 @@ def auto_config(model_type: str, s: HFSettings):
     dropout, no KV cache; token ids that fall outside the small vocabulary unset."""
     tf = _transformers(f"{AUTO_PREFIX}{model_type}")
     default = tf.AutoConfig.for_model(model_type)
+    defaults = default.to_dict()
     alias = dict(getattr(type(default), "attribute_map", {}) or {})
 
     def key(name: str) -> str:
@@ -182,7 +183,7 @@ def auto_config(model_type: str, s: HFSettings):
 
     kwargs = {key("hidden_size"): s.d, key("num_hidden_layers"): s.n_layer,
               key("num_attention_heads"): s.n_head, key("vocab_size"): s.vocab_size, "use_cache": False}
-    names = set(default.to_dict()) | set(alias)
+    names = set(defaults) | set(alias)
     if "num_key_value_heads" in names:
         kwargs[key("num_key_value_heads")] = s.n_head
     if "head_dim" in names:
@@ -191,11 +192,11 @@ def auto_config(model_type: str, s: HFSettings):
         kwargs[key("max_position_embeddings")] = s.T + 2  # roberta's positions start after its padding id
     width = getattr(default, key("hidden_size"), None)
     for name in _MLP_WIDTH_KEYS:
-        mlp = default.to_dict().get(name)
+        mlp = defaults.get(name)
         if isinstance(mlp, int) and isinstance(width, int) and width > 0:
             kwargs[name] = max(64, round(mlp / width * s.d / 64) * 64)
             break
-    for name, value in default.to_dict().items():
+    for name, value in defaults.items():
         if isinstance(value, float) and ("dropout" in name or "pdrop" in name):
             kwargs[name] = 0.0
     for name in _TOKEN_ID_KEYS:
