@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from ..errors import UnknownWorkloadError
 from ..utils import require
 from .base import Workload
 from .bert import check_mask_prob, mask_tokens
@@ -129,11 +130,17 @@ def make_bert(settings: HFBertSettings | None = None) -> Workload:
         intermediate_size=4 * s.d, max_position_embeddings=s.T, hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0, pad_token_id=None, attn_implementation="sdpa")
 
-    def masked(window, corpus, generator):
-        return mask_tokens(window, corpus.mask_id, corpus.vocab_size, s.mask_prob, generator)
-
     return _workload("hf-bert", s, lambda: tf.BertForMaskedLM(config),
-                     f"transformers BertForMaskedLM (MLM, {s.mask_prob:.0%} masked)", masked=masked)
+                     f"transformers BertForMaskedLM (MLM, {s.mask_prob:.0%} masked)", masked=_masked_lm(s.mask_prob))
+
+
+def _masked_lm(mask_prob: float):
+    """BERT's masked-LM batches (the bert workload's ``mask_tokens``) as ``dict_batches`` takes them."""
+
+    def masked(window, corpus, generator):
+        return mask_tokens(window, corpus.mask_id, corpus.vocab_size, mask_prob, generator)
+
+    return masked
 
 
 # --- any transformers language model, by its model_type ---------------------------------------
@@ -155,8 +162,6 @@ class HFAutoSettings(HFBertSettings):
 def auto_objective(model_type: str) -> str:
     """'masked' for a family with a masked-LM head (BERT's objective first), 'causal' for one with a
     causal-LM head; a type with neither is refused, naming a few that work."""
-    from ..errors import UnknownWorkloadError
-
     _transformers(f"{AUTO_PREFIX}{model_type}")
     from transformers.models.auto import modeling_auto as auto
 
@@ -219,18 +224,13 @@ def make_auto(model_type: str, settings: HFAutoSettings | None = None) -> Worklo
     tf = _transformers(name)
     config = auto_config(model_type, s)
     if getattr(config, "is_encoder_decoder", False):
-        from ..errors import UnknownWorkloadError
-
         raise UnknownWorkloadError(f"{model_type!r} is an encoder-decoder model; hf:<model_type> trains decoder-only "
                                    "(causal) and encoder-only (masked) language models")
     auto_class = tf.AutoModelForMaskedLM if objective == "masked" else tf.AutoModelForCausalLM
     model_class = auto_class._model_mapping[type(config)]
     attention = "sdpa" if getattr(model_class, "_supports_sdpa", False) else "eager"
     config._attn_implementation = attention
-    masked = None
-    if objective == "masked":
-        def masked(window, corpus, generator):
-            return mask_tokens(window, corpus.mask_id, corpus.vocab_size, s.mask_prob, generator)
+    masked = _masked_lm(s.mask_prob) if objective == "masked" else None
     settings_out = {**asdict(s), "model_type": model_type, "objective": objective, "attention": attention,
                     "model_class": model_class.__name__}
     what = f"transformers {model_class.__name__} ({objective} LM, {attention} attention)"
