@@ -231,9 +231,10 @@ def _run(model, head, contract: LossContract, batch: Batch, context, fused: Opti
                     model(*call.args, **call.kwargs)
                     loss = fused.take_loss()
             why = ""
-            if fused is None:
-                why = (logits_feed_only_the_log_softmax(loss, seen[0])
-                       if len(seen) == 1 and isinstance(seen[0], Tensor) else f"the head ran {len(seen)} times in one forward")
+            if fused is None and len(seen) == 1 and isinstance(seen[0], Tensor):
+                why = logits_feed_only_the_log_softmax(loss, seen[0])
+            elif fused is None:
+                why = f"the head ran {len(seen)} times in one forward"
             (grad,) = torch.autograd.grad(loss, [head.weight])
     finally:
         if hook is not None:
