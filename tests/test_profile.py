@@ -193,3 +193,58 @@ def test_fp32_matmul_advice_names_a_dtype_only_where_it_is_native(monkeypatch, f
     report.matmul_dtypes, report.device = ("float32",), "cpu"
     recs = [r for r in recommend(report, SimpleNamespace(precision="fp32")) if "matmuls run in FP32" in r.finding]
     assert [r.config for r in recs] == ([f"Config(precision='{advised}')"] if advised else [])
+
+
+class CappedLM(nn.Module):
+    """An LM whose loss sees soft-capped logits (as Gemma 2's does), or the head's output as it is."""
+
+    def __init__(self, softcap: bool, vocab=64, d=16):
+        super().__init__()
+        self.softcap = softcap
+        self.emb, self.head = nn.Embedding(vocab, d), nn.Linear(d, vocab, bias=False)
+
+    def forward(self, input_ids, labels):
+        logits = self.head(self.emb(input_ids))
+        if self.softcap:
+            logits = torch.tanh(logits / 30.0) * 30.0
+        return SimpleNamespace(loss=nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()), logits=logits)
+
+    def get_output_embeddings(self):  # as transformers models name their head
+        return self.head
+
+
+def lm_batches(vocab=64):
+    g = torch.Generator().manual_seed(0)
+    while True:
+        ids = torch.randint(0, vocab, (4, 8), generator=g)
+        yield {"input_ids": ids, "labels": ids}
+
+
+@pytest.mark.parametrize("softcap", [False, True])
+def test_fused_loss_advice_only_where_the_fused_head_would_compute_the_models_loss(monkeypatch, softcap):
+    """Where the loss transforms the logits before cross-entropy, the fused head cannot replace it:
+    the profile says so instead of advising it, and the model and the random stream are left as they were."""
+    from turbotrain import Config, Engine
+    from turbotrain.profile import advice
+
+    monkeypatch.setitem(advice.THRESHOLDS, "loss", 0.0)  # the advice's rule, whatever the loss's share here
+    torch.manual_seed(0)
+    model = CappedLM(softcap)
+    engine = Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), config=Config(device="cpu"))
+    report = profile(engine, lm_batches(), steps=1, warmup=1, peak_flops=PEAK_FLOPS, peak_bandwidth=PEAK_BW)
+    advised = any("linear_cross_entropy" in r.config for r in report.recommendations)
+    assert advised is not softcap, report.recommendations
+    assert any("before the loss's log-softmax" in n for n in report.notes) is softcap, report.notes
+    assert engine.module.head.__class__ is nn.Linear  # nothing was swapped in for the check
+
+
+def test_fused_loss_advice_names_what_the_engine_rolled_back(monkeypatch):
+    from turbotrain import Config, Engine
+    from turbotrain.profile import advice
+
+    monkeypatch.setitem(advice.THRESHOLDS, "loss", 0.0)
+    model = CappedLM(softcap=True)
+    engine = Engine(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                    config=Config(device="cpu", fuse=("linear_cross_entropy",)))
+    report = profile(engine, lm_batches(), steps=1, warmup=1, peak_flops=PEAK_FLOPS, peak_bandwidth=PEAK_BW)
+    assert any("not advised: the logits pass through Mul" in n for n in report.notes), report.notes

@@ -33,7 +33,7 @@ from ..utils import leaves_no_trace
 from .modules import _autocast_dtype
 from .ops.linear_cross_entropy import linear_cross_entropy
 
-__all__ = ["FusedLossHead", "LossHeadResult", "install_loss_head", "LOSS_TOLERANCES"]
+__all__ = ["FusedLossHead", "LossHeadResult", "install_loss_head", "loss_head_refusal", "LOSS_TOLERANCES"]
 
 #: How close the fused loss must be to the stock one, per run dtype: (relative loss error, minimum
 #: SQNR of the head weight's gradient in dB). bf16 logits are rounded before the stock softmax while
@@ -43,6 +43,10 @@ LOSS_TOLERANCES = {
     torch.bfloat16: (2e-2, 20.0),
     torch.float16: (5e-3, 30.0),
 }
+
+
+#: Why there is nothing to fuse when no head was found.
+NO_HEAD = "no Linear produces the logits the model returns"
 
 
 def shift_left(targets: Tensor) -> Tensor:
@@ -242,22 +246,48 @@ def _run(model, head, contract: LossContract, batch: Batch, context, fused: Opti
     return loss.detach().float(), grad.detach(), why
 
 
+def _unfit(model: nn.Module, head_path: str, example: Batch) -> str:
+    """Why the head or the batch rules the fused loss out before anything runs ("" if nothing does)."""
+    head = model.get_submodule(head_path)
+    if type(head) is not nn.Linear:
+        return f"the head is a {type(head).__name__}, not an nn.Linear"
+    targets, _ = loss_targets(example)
+    if targets is None:
+        return ("the batch carries no targets the head's loss could be fused with (a dict batch needs 'labels'; "
+                "a tuple batch needs a loss_fn)")
+    if not isinstance(targets, Tensor) or targets.is_floating_point() or targets.dim() < 1:
+        return "the targets are not integer class indices"
+    if not head_path:
+        return "the model itself is the head"
+    return ""
+
+
+def loss_head_refusal(model: nn.Module, head_path: Optional[str], contract: LossContract, example: Batch,
+                      context=contextlib.nullcontext) -> str:
+    """Why the fused linear+cross-entropy could not replace the loss the run computes, "" if nothing says so.
+
+    The checks :func:`install_loss_head` makes before it tries the fused head (the head, the targets, the
+    stock loss's autograd graph), on two rows of ``example``, leaving the model and the random stream as
+    they were. "" is not a promise: the set-up's loss check can still roll the head back.
+    """
+    if head_path is None:
+        return NO_HEAD
+    why = _unfit(model, head_path, example)
+    if why:
+        return why
+    return _run(model, model.get_submodule(head_path), contract, _first_rows(example, 2), context, None)[2]
+
+
 def install_loss_head(model: nn.Module, head_path: str, contract: LossContract, example: Batch,
                       run_dtype: torch.dtype, context=contextlib.nullcontext) -> tuple[LossHeadResult, Optional[FusedLossHead]]:
     """Swap a FusedLossHead in at ``head_path`` if it reproduces the run's loss on ``example``."""
     from .rewrite import sqnr
 
+    why = _unfit(model, head_path, example)
+    if why:
+        return LossHeadResult(head_path, False, why), None
     head = model.get_submodule(head_path)
-    if type(head) is not nn.Linear:
-        return LossHeadResult(head_path, False, f"the head is a {type(head).__name__}, not an nn.Linear"), None
     targets, _ = loss_targets(example)
-    if targets is None:
-        return LossHeadResult(head_path, False, "the batch carries no targets the head's loss could be fused "
-                              "with (a dict batch needs 'labels'; a tuple batch needs a loss_fn)"), None
-    if not isinstance(targets, Tensor) or targets.is_floating_point() or targets.dim() < 1:
-        return LossHeadResult(head_path, False, "the targets are not integer class indices"), None
-    if not head_path:
-        return LossHeadResult(head_path, False, "the model itself is the head"), None
     owner_path, _, name = head_path.rpartition(".")
     owner = model.get_submodule(owner_path)
     sample = _first_rows(example, 2)

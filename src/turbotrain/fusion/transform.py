@@ -41,9 +41,9 @@ class FusionTransform(Transform):
         self.report.param_map.clear()
         if "linear_cross_entropy" in self.patterns:
             if plan.head_path is None:
-                from .loss_head import LossHeadResult
+                from .loss_head import NO_HEAD, LossHeadResult
 
-                self.loss_head = LossHeadResult("<none>", False, "no Linear produces the logits the model returns")
+                self.loss_head = LossHeadResult("<none>", False, NO_HEAD)
             else:
                 self.loss_head, fused = install_loss_head(model, plan.head_path, ctx.loss_contract, example,
                                                           ctx.dtype, context)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["recommend", "Recommendation", "THRESHOLDS"]
+__all__ = ["recommend", "loss_share", "Recommendation", "THRESHOLDS"]
 
 THRESHOLDS = {
     "casts": 0.10,        # per-step weight/activation casts: bf16-master keeps weights in bf16 instead
@@ -53,8 +53,18 @@ def _low_precision(device: str) -> tuple[str, str]:
     return recommend_precision(detect("cuda" if str(device).startswith("cuda") else "cpu"))
 
 
-def recommend(report, config=None) -> list[Recommendation]:
-    """Recommendations for ``report``; ``config`` (the engine's Config, if any) skips what is already on."""
+def loss_share(report) -> float:
+    """The share of the step in log-softmax and cross-entropy, forward and backward."""
+    ops = sum(r.share for r in report.ops if any(k in r.name for k in ("log_softmax", "nll_loss", "cross_entropy")))
+    return max(report.shares["loss"], ops)
+
+
+def recommend(report, config=None, head_refusal: str = "") -> list[Recommendation]:
+    """Recommendations for ``report``; ``config`` (the engine's Config, if any) skips what is already on.
+
+    ``head_refusal``: why the fused linear+cross-entropy could not replace this model's loss
+    (fusion.loss_head.loss_head_refusal); when given, that fusion is not recommended.
+    """
     share = report.shares
     precision = getattr(config, "precision", "fp32")
     fuse = tuple(getattr(config, "fuse", ()) or ())
@@ -66,10 +76,9 @@ def recommend(report, config=None) -> list[Recommendation]:
             f"dtype casts take {share['casts']:.0%} of the step",
             "keep the model in bf16 with FP32 master weights, so weights are not cast every forward",
             "Config(precision='bf16-master')"))
-    loss_ops = sum(r.share for r in report.ops if any(k in r.name for k in ("log_softmax", "nll_loss", "cross_entropy")))
-    if max(share["loss"], loss_ops) >= THRESHOLDS["loss"] and "linear_cross_entropy" not in fuse:
+    if loss_share(report) >= THRESHOLDS["loss"] and "linear_cross_entropy" not in fuse and not head_refusal:
         recs.append(Recommendation(
-            f"log_softmax/cross-entropy (forward and backward) take {max(share['loss'], loss_ops):.0%} of the step",
+            f"log_softmax/cross-entropy (forward and backward) take {loss_share(report):.0%} of the step",
             "fuse the classifier matmul with the loss so the logits are never materialised",
             "Config(fuse=('linear_cross_entropy',))"))
     calls = sum(r.calls for r in report.ops if r.category == "elementwise")

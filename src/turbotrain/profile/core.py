@@ -24,7 +24,7 @@ import torch
 
 from ..hardware import page_faults
 from ..utils import sync_device
-from .advice import Recommendation, recommend
+from .advice import THRESHOLDS, Recommendation, loss_share, recommend
 from .categories import CATEGORIES, IDLE, categorise
 from .counting import OpCounter, StepCounts
 
@@ -163,6 +163,29 @@ def _count_step(engine, batches, notes) -> StepCounts | None:
     return counter.counts
 
 
+def _loss_head_refusal(engine, batches) -> str:
+    """Why the fused linear+cross-entropy could not replace ``engine``'s loss ("" if nothing says so, or if
+    ``engine`` is not a turbotrain Engine and cannot be asked). The Engine's own verdict when it tried."""
+    from ..engine import Engine
+
+    if not isinstance(engine, Engine):
+        return ""
+    fusion = engine._transform("fusion")
+    if fusion is not None and fusion.loss_head is not None:
+        return "" if fusion.loss_head.fused else fusion.loss_head.reason
+    from ..batch import as_batch
+    from ..fusion.loss_head import loss_head_refusal
+    from ..plan import find_head
+
+    model = engine.module
+    try:
+        batch = as_batch(next(batches), engine.device, engine.loss_fn is not None)
+        head_path = find_head(model, lambda: model(*batch.args, **batch.kwargs))
+        return loss_head_refusal(model, head_path, engine.contract, batch, engine.autocast)
+    except Exception as exc:  # noqa: BLE001 - the advice must not cost the user the profile
+        return f"checking it failed: {type(exc).__name__}: {exc}"
+
+
 def _default_peaks(device: str, matmul_dtypes, peak_flops, peak_bandwidth):
     """Peaks from turbotrain.hardware when not given (measured once, cached on disk)."""
     try:
@@ -232,7 +255,13 @@ def profile(engine, batches, steps: int = 5, warmup: int = 2, *, peak_flops: flo
         if peak_flops:
             report.mfu = counts.flops / (report.unprofiled_step_time_s * peak_flops)
     report.mfu_conventions = MFU_CONVENTIONS + f"Peak: {_fmt_peak(peak_flops)} FLOP/s, {source}."
-    report.recommendations = recommend(report, getattr(engine, "config", None))
+    refusal = ""
+    if loss_share(report) >= THRESHOLDS["loss"]:
+        refusal = _loss_head_refusal(engine, batches)
+        if refusal:
+            notes.append(f"log_softmax/cross-entropy take {loss_share(report):.0%} of the step, but the fused "
+                         f"linear+cross-entropy is not advised: {refusal}")
+    report.recommendations = recommend(report, getattr(engine, "config", None), head_refusal=refusal)
     if out_dir is not None:
         from .html import write_outputs
         write_outputs(report, prof, out_dir, title)
