@@ -11,7 +11,7 @@ from torch import nn
 from turbotrain.bench import configs as registry
 from turbotrain.bench.flops import Gemm, GemmRecorder, count_step_flops, profile_step
 from turbotrain.bench.report import config_metrics, train_loss_window
-from turbotrain.bench.runner import BASELINE, QUICK_OVERRIDES, _fit_to_hardware, _implausible_mfu, slow_dtypes
+from turbotrain.bench.runner import BASELINE, _fit_to_hardware, quick_overrides, _implausible_mfu, slow_dtypes
 from turbotrain.bench.stats import mfu, percentile, summarize
 from turbotrain.bench.worker import RssSampler, fixed_batches, load_workload
 from turbotrain.errors import ConfigError, UnknownWorkloadError
@@ -246,7 +246,7 @@ def test_mfu_above_one_is_flagged():
 
 # --------------------------------------------------------------------------------------- worker
 def test_fixed_batches_are_identical_across_calls():
-    workload = load_workload("gpt", QUICK_OVERRIDES["gpt"])
+    workload = load_workload("gpt", quick_overrides("gpt"))
     first, second = (fixed_batches(workload, "val", 2, seed=0, device="cpu") for _ in range(2))
     for (x1, y1), (x2, y2) in zip(first, second):
         assert torch.equal(x1, x2) and torch.equal(y1, y2)

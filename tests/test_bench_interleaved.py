@@ -17,7 +17,7 @@ from turbotrain.bench import interleave, peak, runner
 from turbotrain.bench.flops import Gemm
 from turbotrain.bench.interleave import round_order, run_interleaved, split_steps
 from turbotrain.bench.report import SCHEMA, TIMED_METRICS, build_results
-from turbotrain.bench.runner import QUICK_OVERRIDES, LadderSettings, choose_reference, plan_rows
+from turbotrain.bench.runner import LadderSettings, choose_reference, plan_rows, quick_overrides
 from turbotrain.bench.stats import bootstrap_ratio_ci, round_times, speed_ratio
 from turbotrain.bench.worker import WorkerSpec
 from turbotrain.hardware import detect
@@ -272,7 +272,9 @@ def test_the_reference_is_the_compiled_step_and_runs_twice():
 
 def test_quick_ladder_keeps_the_reference():
     assert "torch-compile-step" in runner.QUICK_CONFIGS
-    assert set(QUICK_OVERRIDES) >= {"gpt", "user-gpt", "hf-llama", "hf-gpt2", "hf-bert"}
+    small = quick_overrides("gpt")
+    assert small and all(quick_overrides(w) == small for w in ("user-gpt", "hf-llama", "hf-gpt2", "hf-bert", "hf:qwen2"))
+    assert quick_overrides("resnet") == {} and quick_overrides("mlp") == {}  # not text models: left as they are
 
 
 # --------------------------------------------------------------------------------- matmul peak
@@ -344,7 +346,7 @@ def test_a_new_workloads_peak_is_at_least_the_square_maximum_an_earlier_ladder_m
 # ------------------------------------------------------------------------- real worker processes
 def test_failing_and_hanging_rows_become_errors(plugin, tmp_path):
     specs = {name: WorkerSpec(workload="gpt", config=name, device="cpu", warmup=0, val_batches=1,
-                              overrides=QUICK_OVERRIDES["gpt"], threads=1) for name in ("always-fails", "hangs")}
+                              overrides=quick_overrides("gpt"), threads=1) for name in ("always-fails", "hangs")}
     results = run_interleaved(specs, [1], tmp_path, timeout=10)
     assert results["always-fails"]["status"] == "error"
     assert "RuntimeError: feature X is not here yet" in results["always-fails"]["error"]
@@ -419,7 +421,7 @@ def test_quick_results_schema(quick_run):
     results = json.loads((out / "results.json").read_text())
     assert results["schema"] == SCHEMA
     header, run = results["header"], results["header"]["run"]
-    assert header["workload"]["overrides"] == QUICK_OVERRIDES["gpt"] and run["quick"]
+    assert header["workload"]["overrides"] == quick_overrides("gpt") and run["quick"]
     assert run["reference"] == "fp32-eager" and run["aa_row"] == "fp32-eager#2"
     assert run["rounds"] == 2 and run["steps_per_round"] == [2, 2] and run["optimizer"]["fused"] is True
     assert set(header["peak"]["detail"]) >= {"fp32", "bf16"}
@@ -442,7 +444,7 @@ def test_quick_results_schema(quick_run):
         assert detail["loss_check"]["passed"] is True
         # a CPU row's tensor peak: at least the weights, gradients and AdamW moments (16 bytes a
         # parameter in fp32), and below the resident memory, which holds them too
-        params = sum(p.numel() for p in get_workload("gpt", **QUICK_OVERRIDES["gpt"]).build_model().parameters())
+        params = sum(p.numel() for p in get_workload("gpt", **quick_overrides("gpt")).build_model().parameters())
         assert 16 * params <= detail["tensor_peak_bytes"] < detail["peak_memory_bytes"]
         assert by[(config, "tensor_peak")]["median"] == detail["tensor_peak_bytes"]
         split = detail["step_split"]  # a few more steps profiled: a GEMM model's step is mostly GEMMs

@@ -97,11 +97,11 @@ def test_state_meter_reads_around_every_optimizer_step():
 @pytest.mark.dist
 def test_cap_that_ddp_exceeds_is_trained_under_by_every_sharded_row(tmp_path):
     """The memory-cap demonstration, by the command a user runs: DDP stops at the cap, FSDP2 and TP train."""
-    from turbotrain.bench.runner import QUICK_OVERRIDES
+    from turbotrain.bench.runner import quick_overrides
     from turbotrain.cli import main
     from turbotrain.workloads import get_workload
 
-    n = sum(p.numel() for p in get_workload("gpt", **QUICK_OVERRIDES["gpt"]).build_model().parameters())
+    n = sum(p.numel() for p in get_workload("gpt", **quick_overrides("gpt")).build_model().parameters())
     # fp32: DDP holds 16 bytes a parameter (weight, gradient, two Adam moments); two shards hold
     # about 8 each. The cap between them is what neither can meet by luck.
     cap = 12 * n

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -26,7 +26,7 @@ from .stats import BOOTSTRAP_RESAMPLES, slow_dtypes
 from .worker import CPU_MEMORY_METHOD, CPU_TENSOR_METHOD, CUDA_MEMORY_METHOD, WorkerSpec, fixed_batches, load_workload
 
 __all__ = ["LadderSettings", "run_ladder", "plan_rows", "choose_reference", "slow_dtypes", "BASELINE", "REFERENCE",
-           "QUICK_OVERRIDES", "quick_overrides", "QUICK_CONFIGS", "DEFAULT_STEPS", "DEFAULT_WARMUP", "DEFAULT_ROUNDS", "QUICK_STEPS",
+           "quick_overrides", "QUICK_CONFIGS", "DEFAULT_STEPS", "DEFAULT_WARMUP", "DEFAULT_ROUNDS", "QUICK_STEPS",
            "QUICK_WARMUP", "QUICK_ROUNDS", "MEASUREMENT"]
 
 MFU_CONVENTIONS = ("achieved FLOP/s (flops_per_step / step time) divided by the matmul peak of the "
@@ -38,20 +38,17 @@ MEASUREMENT = ("each row in its own long-lived worker, built and warmed up one a
                "per-round step time of the reference / of the row (the row's throughput over the reference's), "
                f"95% percentile-bootstrap interval over rounds resampled in pairs ({BOOTSTRAP_RESAMPLES} resamples, "
                "fixed seed); the A/A row is the reference again in a second worker: its interval is the noise floor")
-#: Quick mode shrinks the model so the quick ladder (its compiled reference twice included) stays
-#: around a minute on 2 cores; the header says so, and its figures are a smoke test, not a benchmark.
+#: Quick mode shrinks a text workload (one whose settings have these fields: hf:<model_type> too) so
+#: the quick ladder (its compiled reference twice included) stays around a minute on 2 cores; the
+#: header says so, and its figures are a smoke test, not a benchmark.
 _QUICK_TEXT = {"d": 128, "n_layer": 2, "n_head": 4, "T": 64, "B": 4}
-QUICK_OVERRIDES = {name: dict(_QUICK_TEXT) for name in ("gpt", "llama", "bert", "user-gpt", "hf-llama", "hf-gpt2",
-                                                        "hf-bert")}
 
 
 def quick_overrides(workload: str) -> dict:
-    """The settings quick mode gives ``workload`` (``hf:<model_type>`` workloads get the text ones)."""
-    from ..workloads.hf import AUTO_PREFIX
+    """The settings quick mode gives ``workload``: the small text model, or none for other workloads."""
+    from ..workloads import settings_class
 
-    if workload.startswith(AUTO_PREFIX):
-        return dict(_QUICK_TEXT)
-    return dict(QUICK_OVERRIDES.get(workload, {}))
+    return dict(_QUICK_TEXT) if {f.name for f in fields(settings_class(workload))} >= _QUICK_TEXT.keys() else {}
 
 
 QUICK_CONFIGS = ("fp32-eager", "torch-amp", REFERENCE, "tt-fp32", "tt-bf16-master")
@@ -86,7 +83,7 @@ class LadderSettings:
     """Seconds one worker command (start, build + warm-up, a round's steps, val) may take before
     the worker is killed and the row marked as an error."""
     overrides: dict = field(default_factory=dict)
-    """Workload settings changed from its defaults (QUICK_OVERRIDES in quick mode)."""
+    """Workload settings changed from its defaults (quick_overrides() in quick mode)."""
     reference: str | None = None
     """The row ratio_vs_ref is taken against; None: torch-compile-step (or its fp32 twin) when in
     the ladder, else the first peer row, else the first row."""
