@@ -8,7 +8,7 @@ import torch
 from turbotrain import Config, Engine
 from turbotrain.workloads import get_workload
 
-TINY = dict(d=64, n_layer=2, n_head=4, T=64, B=8)
+TINY = dict(d=64, n_layer=2, n_head=4, T=64, B=8, vocab_size=512)
 
 
 def train(precision, steps, overrides=TINY, **config):
