@@ -339,3 +339,33 @@ def test_bad_example_is_a_fusion_error():
         fuse(UserGPT(), example=torch.zeros(1, 3, dtype=torch.long))
     with pytest.raises(FusionError, match="could not run on the example"):
         fuse(UserGPT(), example=((torch.zeros(1, 3),), {}))  # float ids: the embedding refuses
+
+
+class FunctionalSwiGLU(nn.Module):
+    """Meta's Llama FeedForward: the activation is a function call, and up is declared before gate."""
+
+    def __init__(self, act=F.silu):
+        super().__init__()
+        self.act = act
+        self.w3, self.w1, self.w2 = nn.Linear(DIM, 48, bias=False), nn.Linear(DIM, 48, bias=False), nn.Linear(48, DIM, bias=False)
+
+    def forward(self, x):
+        return self.w2(self.act(self.w1(x)) * self.w3(x))
+
+
+def test_swiglu_with_a_functional_silu_is_found_by_its_values_and_matches():
+    mlp = FunctionalSwiGLU()
+    stock = copy.deepcopy(Holder(mlp))
+    holder, report = fuse_holder(mlp)
+    assert sites(report) == [("mlp", "swiglu")], str(report)
+    assert holder.mlp.names == ("w1", "w3", "w2")  # gate is the Linear under the SiLU, whatever the order
+    assert set(holder.state_dict()) == set(stock.state_dict())
+    x = torch.randn(3, 4, DIM, requires_grad=True)
+    torch.testing.assert_close(holder(x), stock(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("act", [F.gelu, torch.sigmoid], ids=["geglu", "sigmoid-glu"])
+def test_a_gated_mlp_with_another_functional_activation_is_not_a_swiglu_site(act):
+    holder, report = fuse_holder(FunctionalSwiGLU(act))
+    assert not report.fused and not report.rolled_back, str(report)
+    assert type(holder.mlp) is FunctionalSwiGLU

@@ -4,7 +4,8 @@ With an example the model was probed on (probe.py), sites are found from data fl
 modules are called: three Linears of one module that read the same tensor in one call (qkv); a
 Linear or LayerNorm whose output is the input of an activation module of the same parent
 (linear_act, layernorm_gelu); two same-shape Linears reading a module's input, SiLU on one of them
-and a third Linear after (swiglu). Without an example the name tables below are the fallback.
+and a third Linear after (swiglu; the SiLU a module, or a function the forward calls, which is
+seen in the values the third Linear read). Without an example the name tables below are the fallback.
 
 A Site names a small *unit* of the user's model (an attention module, an MLP, the parent of a
 Linear+activation pair), a ``build`` that turns such a unit into its fused form (used first on a
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
+import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch import nn
 
@@ -392,21 +394,48 @@ def _flow_qkv(scope: _Scope, counts, claimed) -> list[Site]:
     return sites
 
 
+def _is_swiglu_of(gate_out, up_out, down_in) -> bool:
+    """Whether ``down_in`` holds silu(gate_out) * up_out, to the rounding of the probe's dtype: how an
+    MLP that calls its activation as a function (``w2(F.silu(w1(x)) * w3(x))``) is recognised."""
+    tensors = (gate_out, up_out, down_in)
+    if not all(isinstance(t, torch.Tensor) and t.is_floating_point() for t in tensors) \
+            or not gate_out.shape == up_out.shape == down_in.shape:
+        return False
+    tol = 1e-4 if down_in.dtype in (torch.float32, torch.float64) else 2e-2
+    with torch.no_grad():
+        want = F.silu(gate_out.float()) * up_out.float()
+        return torch.allclose(down_in.float(), want, rtol=tol, atol=tol * float(want.abs().max().clamp_min(1e-6)))
+
+
+def _functional_swiglu(kids: list[Call], pair: list[nn.Module], out: dict) -> Optional[tuple]:
+    """(gate, up, down) when a Linear other than ``pair`` reads silu(one of pair) * (the other);
+    ``out``: each kid module's first output, by id."""
+    for gate, up in (pair, pair[::-1]):
+        for c in kids:
+            if (_is_linear(c.module) and all(c.module is not m for m in pair)
+                    and _is_swiglu_of(out[id(gate)], out[id(up)], c.tensor_input())):
+                return gate, up, c.module
+    return None
+
+
 def _swiglu_flow_problem(scope: _Scope, gate, up, down, act) -> Optional[str]:
     """Why the MLP's calls are not all exactly down(act(gate(x)) * up(x)) as far as data flow shows
-    (the product itself is checked by verification)."""
+    (the product itself is checked by verification). ``act`` None: the activation is a function
+    call, so the SiLU-and-product is checked on each call's tensors instead."""
     for call in scope.calls:
         x = call.tensor_input()
         if x is None:
             return "it is called with more than one argument or by keyword; the fused MLP takes one tensor"
-        found = _once_each(scope.kids(call), gate, up, down, act)
+        found = _once_each(scope.kids(call), gate, up, down, *([act] if act is not None else []))
         if found is None:
             return "its Linears and activation are not each called once per call"
-        g, u, d, a = found
+        g, u, d = found[:3]
         if g.tensor_input() is not x or u.tensor_input() is not x:
             return "gate and up do not read its input (something runs before them inside it)"
-        if a.tensor_input() is not g.output:
+        if act is not None and found[3].tensor_input() is not g.output:
             return "the activation is not applied to the gate's output in every call"
+        if act is None and not _is_swiglu_of(g.output, u.output, d.tensor_input()):
+            return f"{scope.name(down)} does not read silu({scope.name(gate)}) * {scope.name(up)} in every call"
         if call.output is not d.output:
             return (f"it returns something other than {scope.name(down)}'s output (a residual, dropout or "
                     "norm after it?), which the fused MLP would drop")
@@ -421,19 +450,25 @@ def _flow_swiglu(scope: _Scope, owner, counts, claimed, acts: dict) -> list[Site
     for _, pair in _linears_by_input(kids):
         if len(pair) != 2 or pair[0].weight.shape != pair[1].weight.shape or any(id(m) in claimed for m in pair):
             continue
-        act = next((c for c in kids if c.tensor_input() is not None and activation_name(c.module, acts) == "silu"
-                    and any(c.tensor_input() is output_of[id(m)] for m in pair)), None)
-        if act is None:
-            continue
-        gate, up = pair if act.tensor_input() is output_of[id(pair[0])] else pair[::-1]
-        downs = [c.module for c in kids if _is_linear(c.module) and c.module is not gate and c.module is not up]
-        if not downs:
-            continue
-        down = downs[-1]
-        claimed.update(id(m) for m in (gate, up, down, act.module))
+        act_call = next((c for c in kids if c.tensor_input() is not None and activation_name(c.module, acts) == "silu"
+                         and any(c.tensor_input() is output_of[id(m)] for m in pair)), None)
+        act = act_call.module if act_call is not None else None
+        if act is not None:
+            gate, up = pair if act_call.tensor_input() is output_of[id(pair[0])] else pair[::-1]
+            downs = [c.module for c in kids if _is_linear(c.module) and c.module is not gate and c.module is not up]
+            if not downs:
+                continue
+            down = downs[-1]
+        else:  # F.silu in the forward: no module to see, so the values say which Linear is which
+            found = _functional_swiglu(kids, pair, output_of)
+            if found is None:
+                continue
+            gate, up, down = found
+        acts_used = [act] if act is not None else []
+        claimed.update(id(m) for m in (gate, up, down, *acts_used))
         names = tuple(scope.name(m) for m in (gate, up, down))
-        problem = (_swiglu_problem(scope.module, owner, gate, up, down, [act.module], counts)
-                   or _swiglu_flow_problem(scope, gate, up, down, act.module))
+        problem = (_swiglu_problem(scope.module, owner, gate, up, down, acts_used, counts)
+                   or _swiglu_flow_problem(scope, gate, up, down, act))
         if problem is None and any("." in n for n in names):
             problem = f"its Linears {'/'.join(names)} are not direct children of the MLP"
         return [_swiglu_site(scope.path, scope.module, owner, names, scope.recorded(), problem)]
