@@ -369,3 +369,21 @@ def test_a_gated_mlp_with_another_functional_activation_is_not_a_swiglu_site(act
     holder, report = fuse_holder(FunctionalSwiGLU(act))
     assert not report.fused and not report.rolled_back, str(report)
     assert type(holder.mlp) is FunctionalSwiGLU
+
+
+class FunctionalDropoutSwiGLU(FunctionalSwiGLU):
+    """Dropout applied as a function on the hidden product: invisible to data flow, and absent in eval mode."""
+
+    def forward(self, x):
+        return self.w2(F.dropout(F.silu(self.w1(x)) * self.w3(x), 0.5, self.training))
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_what_the_forward_does_in_one_mode_only_is_verified_whichever_mode_it_was_fused_in(training):
+    mlp = FunctionalDropoutSwiGLU().train(training)
+    holder, report = fuse_holder(mlp)
+    assert not report.fused, str(report)
+    assert type(holder.mlp) is FunctionalDropoutSwiGLU
+    if not training:  # the eval-mode probe sees a SwiGLU; only the train-mode run tells it apart
+        assert sites(report, "rolled_back") == [("mlp", "swiglu")]
+        assert "in train mode" in report.rolled_back[0].reason, str(report)

@@ -181,7 +181,7 @@ def _compare(name: str, ref, new, dtype, errors: dict, sqnrs: list) -> None:
     if not torch.isfinite(new).all():
         raise _VerificationFailed(f"{name} is not finite")
     err = (ref.double() - new.double()).abs().max().item() if ref.numel() else 0.0
-    errors[name] = err
+    errors[name] = max(err, errors.get(name, 0.0))  # the worse of the two modes
     ratio = sqnr(ref, new)
     sqnrs.append(ratio)
     kind, bound = TOLERANCES.get(dtype, TOLERANCES[torch.float32])
@@ -193,7 +193,22 @@ def _compare(name: str, ref, new, dtype, errors: dict, sqnrs: list) -> None:
 
 
 def _verify(site: Site, dtype: Optional[torch.dtype]) -> FusedSite:
-    stock = copy.deepcopy(site.unit)
+    """Stock and fused unit on the site's sample, outputs and every gradient compared, in the unit's
+    mode and then in the other one: what a forward does only in training (a functional dropout) or
+    only in eval is seen whichever mode the model was in when it was fused."""
+    errors, sqnrs = {}, []
+    for training in (site.unit.training, not site.unit.training):
+        try:
+            _verify_in_mode(site, dtype, training, errors, sqnrs)
+        except _VerificationFailed as exc:
+            if training == site.unit.training:
+                raise
+            raise _VerificationFailed(f"in {'train' if training else 'eval'} mode, {exc}") from None
+    return FusedSite(site.path, site.pattern, errors, min(sqnrs, default=math.inf))
+
+
+def _verify_in_mode(site: Site, dtype: Optional[torch.dtype], training: bool, errors: dict, sqnrs: list) -> None:
+    stock = copy.deepcopy(site.unit).train(training)
     if dtype is not None:
         stock.to(dtype)
     first = next(iter(stock.parameters()), None)
@@ -207,7 +222,6 @@ def _verify(site: Site, dtype: Optional[torch.dtype]) -> FusedSite:
     out_new, in_new, param_new = _seeded_run(site, trial, *fused_inputs)
     if len(out_new) != len(out_ref):
         raise _VerificationFailed(f"the fused unit returned {len(out_new)} tensors instead of {len(out_ref)}")
-    errors, sqnrs = {}, []
     for i, (r, n) in enumerate(zip(out_ref, out_new)):
         _compare(f"output{i}" if i else "output", r, n, run_dtype, errors, sqnrs)
     for i, (r, n) in enumerate(zip(in_ref, in_new)):
@@ -229,7 +243,6 @@ def _verify(site: Site, dtype: Optional[torch.dtype]) -> FusedSite:
     for p, grad in param_new.items():
         if grad is None and p not in unused:
             raise _VerificationFailed("a parameter of the fused module got no gradient")
-    return FusedSite(site.path, site.pattern, errors, min(sqnrs, default=math.inf))
 
 
 def fuse(model: nn.Module, patterns=FUSION_PATTERNS, verify: bool = True, dtype: Optional[torch.dtype] = None,
