@@ -6,7 +6,8 @@
   (``torch-compile-step``) with its bootstrap interval, an A/A row for the noise floor, memory, MFU
   over a measured maximum matmul peak (``peak``) and loss, FAILED where a row's val loss leaves its
   tolerance. ``turbotrain bench [--quick]``; register a row with ``register_config`` (see
-  turbotrain.bench.configs). Results schema: docs/benchmark-schema.md.
+  turbotrain.bench.configs). Results schema: docs/benchmark-schema.md. ``compare(model_fn, batches,
+  ...)``: the same ladder on a model of yours.
 * ``dp_ladder`` / ``dp_worker``: the data-parallel ladder, ``turbotrain bench --nproc 2``.
 * ``comm_bench``: nccl-tests style collective bandwidth, ``turbotrain comm-bench``.
 * ``fusion_timing``: each fused op against its reference, ``python -m turbotrain.bench.fusion_timing``.
@@ -27,6 +28,7 @@ __all__ = [
     # running
     "run_ladder",
     "LadderSettings",
+    "compare",
     # registry
     "register_config",
     "unregister_config",
@@ -45,4 +47,8 @@ def __getattr__(name):
         from . import runner
 
         return getattr(runner, name)
+    if name == "compare":
+        from .user_ladder import compare
+
+        return compare
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

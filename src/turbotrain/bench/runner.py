@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import check_positive
+from ..errors import ConfigError, check_positive
 from ..hardware import environment_report, print_environment, resolve_device
 from ..utils import check_output_dir, require
 from .ceiling import (FLOOR_METHOD, MANY_FAULTS, check_targets, floor_dtypes, floor_text, malloc_tuned, measure_floor,
@@ -23,7 +23,8 @@ from .interleave import run_interleaved, split_steps
 from .peak import matmul_peaks
 from .report import ratio_to_reference, train_loss_window
 from .stats import BOOTSTRAP_RESAMPLES, slow_dtypes
-from .worker import CPU_MEMORY_METHOD, CPU_TENSOR_METHOD, CUDA_MEMORY_METHOD, WorkerSpec, fixed_batches, load_workload
+from .worker import (CPU_MEMORY_METHOD, CPU_TENSOR_METHOD, CUDA_MEMORY_METHOD, WorkerSpec, fixed_batches, load_payload,
+                     load_workload)
 
 __all__ = ["LadderSettings", "run_ladder", "plan_rows", "choose_reference", "slow_dtypes", "BASELINE", "REFERENCE",
            "quick_overrides", "QUICK_CONFIGS", "DEFAULT_STEPS", "DEFAULT_WARMUP", "DEFAULT_ROUNDS", "QUICK_STEPS",
@@ -89,8 +90,14 @@ class LadderSettings:
     the ladder, else the first peer row, else the first row."""
     aa: bool = True
     """Run the reference a second time in its own worker (the A/A row: the noise floor)."""
+    payload: str | None = None
+    """A user's workload pickled by turbotrain.tune.user.save_payload (``turbotrain.bench.compare``),
+    loaded instead of ``workload``; neither ``overrides`` nor quick mode's smaller model applies to it."""
 
     def __post_init__(self):
+        if self.payload is not None and self.overrides:
+            raise ConfigError("overrides change the settings of a workload by name; a user's model is built by "
+                              "its model_fn as it is: change the model there")
         check_positive("steps", self.steps)
         check_positive("warmup", self.warmup, allow_zero=True)
         check_positive("rounds", self.rounds)
@@ -118,7 +125,8 @@ def _plan(settings: LadderSettings) -> tuple[str, list[str], dict, list[str]]:
         get_config(settings.reference)  # a bad --reference costs a line, not a ladder
     overrides = dict(settings.overrides)
     if settings.quick:
-        overrides = {**quick_overrides(settings.workload), **overrides}
+        if settings.payload is None:
+            overrides = {**quick_overrides(settings.workload), **overrides}
         size = f"model shrunk to {overrides}" if overrides else "model at its default size"
         notes.append(f"quick mode: {settings.steps} steps in {min(settings.rounds, settings.steps)} rounds, "
                      f"{settings.warmup} warm-up, {size}; a smoke test, not a benchmark")
@@ -193,8 +201,11 @@ def _print_peaks(peak: dict, console) -> None:
                       f"({v['source']}: {escape(v['reason'])}; load average {load} when measured)")
 
 
-def run_ladder(settings: LadderSettings, out_dir: str | Path, console=None) -> dict:
+def run_ladder(settings: LadderSettings, out_dir: str | Path, console=None, workload=None) -> dict:
     """Run the ladder, write results.json, report.html and PNGs into ``out_dir``; returns the results.
+
+    ``workload``: the workload ``settings.payload`` holds, when the caller has it loaded already
+    (compare: the user's own objects, so this process does not import their script again).
 
     results.json is rewritten after every set-up and every round, so a crash in the display (or a
     kill) keeps what was measured.
@@ -207,7 +218,8 @@ def run_ladder(settings: LadderSettings, out_dir: str | Path, console=None) -> d
     from .report import build_results, write_reports, write_results
 
     device, names, overrides, notes = _plan(settings)
-    workload = load_workload(settings.workload, overrides)  # builds/caches the data once, before the workers
+    if workload is None:  # builds/caches the data once, before the workers
+        workload = load_payload(settings.payload) if settings.payload else load_workload(settings.workload, overrides)
     env = _environment(device)
     print_environment(env, console)
     default = not settings.configs and not settings.quick
@@ -259,7 +271,8 @@ def run_ladder(settings: LadderSettings, out_dir: str | Path, console=None) -> d
     out_dir.mkdir(parents=True, exist_ok=True)
     specs = {row: WorkerSpec(workload=settings.workload, config=get_config(row).name, device=device,
                              warmup=settings.warmup, seed=settings.seed, val_batches=settings.val_batches,
-                             overrides=overrides, threads=torch.get_num_threads()) for row in rows}
+                             overrides=overrides, threads=torch.get_num_threads(), payload=settings.payload)
+             for row in rows}
     with tempfile.TemporaryDirectory(prefix="turbotrain-bench-") as tmp, \
             LiveLadder(rows, header, console, len(per_round)) as live:
         raw = run_interleaved(specs, per_round, Path(tmp), settings.timeout, live=live,

@@ -135,9 +135,13 @@ def load_payload(path: str):
     class Unpickler(pickle.Unpickler):
         def find_class(self, module, name):
             if module == "__main__" and data.get("main_path"):
-                if "__mp_main__" not in sys.modules:
+                # Importing torch (multiprocessing) already aliases __mp_main__ to this process's own
+                # __main__, so the user's script is recognised by its path, not by the name being taken.
+                loaded = sys.modules.get("__mp_main__")
+                if getattr(loaded, "__file__", None) != data["main_path"]:
                     main = types.ModuleType("__mp_main__")
                     main.__dict__.update(runpy.run_path(data["main_path"], run_name="__mp_main__"))
+                    main.__file__ = data["main_path"]
                     sys.modules["__mp_main__"] = main
                 module = "__mp_main__"
             return super().find_class(module, name)

@@ -1,4 +1,5 @@
-"""A user's model as a workload the bench workers can load: ``turbotrain.tune(model_fn, ...)``.
+"""A user's model as a workload the bench workers can load: ``turbotrain.tune(model_fn, ...)`` and
+``turbotrain.bench.compare(model_fn, ...)``.
 
 Each candidate trains in its own worker process, so the user's callables travel there by pickle:
 by reference, which needs module-level functions (or functools.partial of them), not lambdas or
@@ -46,7 +47,7 @@ class UserWorkload(Workload):
 def _rows(batch) -> int:
     leaves = [t for t in torch.utils._pytree.tree_leaves(batch) if isinstance(t, torch.Tensor)]
     if not leaves or leaves[0].dim() == 0:
-        raise ConfigError("tune needs batches of tensors with a batch dimension: (inputs, targets), a dict or a tensor")
+        raise ConfigError("the batches must hold tensors with a batch dimension: (inputs, targets), a dict or a tensor")
     return int(leaves[0].shape[0])
 
 
@@ -59,13 +60,13 @@ def user_workload(model_fn, optimizer_fn, batches, loss_fn=None, val_batches=Non
     batches = list(batches)
     if val_batches is None:
         if len(batches) < 2:
-            raise ConfigError("tune needs at least 2 batches (one to train on, one for the loss check), "
+            raise ConfigError("at least 2 batches are needed (one to train on, one for the loss check), "
                               "or pass val_batches=")
         held = max(1, len(batches) // 4)
         batches, val_batches = batches[:-held], batches[-held:]
     val_batches = list(val_batches)
     if not batches or not val_batches:
-        raise ConfigError("tune needs at least one train batch and one val batch")
+        raise ConfigError("at least one train batch and one val batch are needed")
     rows = _rows(batches[0])
     return UserWorkload(name="user", kind="user", unit="samples", items_per_batch=rows, build_model=model_fn,
                         loss_fn=loss_fn, batches=ListBatches(batches, val_batches),
@@ -81,7 +82,7 @@ def save_payload(workload: UserWorkload, path: Path) -> Path:
         blob = pickle.dumps(workload)
     except (pickle.PicklingError, AttributeError, TypeError) as exc:
         raise ConfigError(
-            f"tune trains every candidate in its own process, so model_fn, optimizer_fn and loss_fn must be "
+            f"every tune candidate and ladder row trains in its own process, so model_fn, optimizer_fn and loss_fn must be "
             f"importable: module-level functions or functools.partial of them, not lambdas or local functions "
             f"({exc})") from exc
     main = getattr(sys.modules.get("__main__"), "__file__", None)
