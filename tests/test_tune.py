@@ -30,7 +30,7 @@ from turbotrain.tune.row import (TUNED_ENV, TUNED_ROW, ConfigTrainer, forget_tun
 from turbotrain.tune.search import TuneSettings, _Admission, _record, parse_duration, parse_memory, run_tune
 from turbotrain.tune.space import (ACCUMULATE_VALUES, CHECKPOINT_VALUES, FUSION_VALUES, PRECISION_VALUES,
                                    enumerate_space)
-from turbotrain.tune.user import save_payload, user_workload
+from turbotrain.workloads.user import save_payload, user_workload
 
 
 # ------------------------------------------------------------------------------ a tiny user model

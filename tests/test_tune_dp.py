@@ -27,7 +27,7 @@ from turbotrain.tune.report import pruned_axes
 from turbotrain.tune.row import TUNED_ENV, _build_tuned_row
 from turbotrain.tune.search import TuneSettings, run_tune
 from turbotrain.tune.space import BUCKET_MB_VALUES, DEFAULT_BUCKET_MB, enumerate_dp_space, enumerate_space
-from turbotrain.tune.user import user_workload
+from turbotrain.workloads.user import user_workload
 
 
 def _recipe(precision="bf16-master", fusion=("qkv",), compile="forward+loss", checkpoint=None, accumulate=2):

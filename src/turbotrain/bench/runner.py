@@ -91,7 +91,7 @@ class LadderSettings:
     aa: bool = True
     """Run the reference a second time in its own worker (the A/A row: the noise floor)."""
     payload: str | None = None
-    """A user's workload pickled by turbotrain.tune.user.save_payload (``turbotrain.bench.compare``),
+    """A user's workload pickled by turbotrain.workloads.user.save_payload (``turbotrain.bench.compare``),
     loaded instead of ``workload``; neither ``overrides`` nor quick mode's smaller model applies to it."""
 
     def __post_init__(self):

@@ -36,7 +36,7 @@ def compare(model_fn, batches, *, loss_fn=None, val_batches=None, configs=None, 
     glibc's tuned allocator settings (``--malloc-tuned``), peers and turbotrain rows alike.
     """
     from ..hardware import TUNED_MALLOC_ENV
-    from ..tune.user import save_payload, user_workload
+    from ..workloads.user import save_payload, user_workload
 
     workload = user_workload(model_fn, make_optimizer, batches, loss_fn=loss_fn, val_batches=val_batches)
     env = dict(TUNED_MALLOC_ENV) if malloc_tuned else {}

@@ -43,7 +43,7 @@ def tune(model_fn, optimizer_fn, batches, *, loss_fn=None, val_batches=None, max
     ``turbotrain tune --workload NAME --nproc N``, which needs a workload the jobs can load by name.
     """
     from .search import TuneSettings, parse_duration, parse_memory, run_tune
-    from .user import save_payload, user_workload
+    from ..workloads.user import save_payload, user_workload
 
     started = time.monotonic()
     workload = user_workload(model_fn, optimizer_fn, batches, loss_fn=loss_fn, val_batches=val_batches)

@@ -1,11 +1,11 @@
 """A user's model as a workload the bench workers can load: ``turbotrain.tune(model_fn, ...)`` and
 ``turbotrain.bench.compare(model_fn, ...)``.
 
-Each candidate trains in its own worker process, so the user's callables travel there by pickle:
+Each candidate or row trains in its own worker process, so the user's callables travel there by pickle:
 by reference, which needs module-level functions (or functools.partial of them), not lambdas or
 closures. save_payload checks that before any work and says how to fix it. Functions of the script
 being run are found by running it again in the worker as ``__mp_main__`` (multiprocessing's way),
-so a script that calls tune() keeps its work under ``if __name__ == "__main__":``.
+so a script that calls tune() or compare() keeps its work under ``if __name__ == "__main__":``.
 """
 
 from __future__ import annotations
