@@ -37,33 +37,34 @@ def rotate(x, table):
 
 
 class Attention(nn.Module):
-    def __init__(self):
+    def __init__(self, dim, heads):
         super().__init__()
-        self.wq, self.wk, self.wv, self.wo = (nn.Linear(DIM, DIM, bias=False) for _ in range(4))
+        self.heads = heads
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(dim, dim, bias=False) for _ in range(4))
 
     def forward(self, x, table):
-        b, t, _ = x.shape
-        q, k, v = (w(x).view(b, t, HEADS, DIM // HEADS) for w in (self.wq, self.wk, self.wv))
+        b, t, dim = x.shape
+        q, k, v = (w(x).view(b, t, self.heads, dim // self.heads) for w in (self.wq, self.wk, self.wv))
         q, k = rotate(q, table), rotate(k, table)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
-        return self.wo(out.transpose(1, 2).reshape(b, t, DIM))
+        return self.wo(out.transpose(1, 2).reshape(b, t, dim))
 
 
 class FeedForward(nn.Module):
-    def __init__(self, hidden=96):
+    def __init__(self, dim, hidden):
         super().__init__()
-        self.w1, self.w2, self.w3 = nn.Linear(DIM, hidden, bias=False), nn.Linear(hidden, DIM, bias=False), \
-            nn.Linear(DIM, hidden, bias=False)
+        self.w1, self.w2, self.w3 = nn.Linear(dim, hidden, bias=False), nn.Linear(hidden, dim, bias=False), \
+            nn.Linear(dim, hidden, bias=False)
 
     def forward(self, x):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 class Block(nn.Module):
-    def __init__(self):
+    def __init__(self, dim, heads, hidden):
         super().__init__()
-        self.attention, self.feed_forward = Attention(), FeedForward()
-        self.attention_norm, self.ffn_norm = RMSNorm(DIM), RMSNorm(DIM)
+        self.attention, self.feed_forward = Attention(dim, heads), FeedForward(dim, hidden)
+        self.attention_norm, self.ffn_norm = RMSNorm(dim), RMSNorm(dim)
 
     def forward(self, x, table):
         h = x + self.attention(self.attention_norm(x), table)
@@ -71,12 +72,15 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self):
+    """Sizes as keywords (the defaults are this file's); the ladder builds it at its own shape
+    (benchmarks/2026-12-06-avx2-user-llama/compare_user_llama.py)."""
+
+    def __init__(self, vocab=VOCAB, dim=DIM, layers=LAYERS, heads=HEADS, hidden=96, max_len=2 * T):
         super().__init__()
-        self.tok_embeddings = nn.Embedding(VOCAB, DIM)
-        self.layers = nn.ModuleList(Block() for _ in range(LAYERS))
-        self.norm, self.output = RMSNorm(DIM), nn.Linear(DIM, VOCAB, bias=False)
-        self.register_buffer("table", rotary_table(DIM // HEADS, 2 * T), persistent=False)
+        self.tok_embeddings = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(Block(dim, heads, hidden) for _ in range(layers))
+        self.norm, self.output = RMSNorm(dim), nn.Linear(dim, vocab, bias=False)
+        self.register_buffer("table", rotary_table(dim // heads, max_len), persistent=False)
 
     def forward(self, tokens):
         h = self.tok_embeddings(tokens)
