@@ -47,7 +47,7 @@ SCRIPT = textwrap.dedent('''
         for _ in range(6):
             ids = torch.randint(0, 32, (4, 8), generator=g)
             batches.append((ids, (3 * ids + 1) % 32))
-        turbotrain.bench.compare(build, batches, loss_fn=loss_fn, configs=["fp32-eager", "tt-fused-fp32"],
+        turbotrain.bench.compare(build, batches, loss_fn=loss_fn, configs="fp32-eager,tt-fused-fp32", unit="tokens",
                                  steps=2, rounds=2, warmup=1, device="cpu", out=sys.argv[1])
 ''')
 
@@ -70,13 +70,35 @@ def test_compare_runs_the_ladder_on_a_model_defined_in_the_users_script(compared
     assert list(configs) == ["fp32-eager", "fp32-eager#2", "tt-fused-fp32"]  # the reference's A/A row included
     assert all(c["status"] == "ok" for c in configs.values()), {k: c.get("error") for k, c in configs.items()}
     header = results["header"]
-    assert header["workload"]["name"] == "user" and header["workload"]["items_per_step"] == 4
+    assert header["workload"]["name"] == "user" and header["workload"]["items_per_step"] == 4 * 8  # tokens
+    assert header["workload"]["unit"] == "tokens"
     assert header["workload"]["description"] == "build on 5 train / 1 val batches of 4 rows"
     assert header["flops_per_step"] > 0 and header["run"]["optimizer"]["fused"] is True
     # every row trained the same model on the same batches: the val losses agree in fp32
     vals = [c["val_loss"] for c in configs.values()]
     assert max(vals) - min(vals) <= 1e-4 * abs(vals[0]), vals
     assert (out / "report.html").stat().st_size > 0
+
+
+@pytest.mark.parametrize("batch, unit, items", [
+    ((torch.zeros(4, 8, dtype=torch.long), torch.zeros(4, 8, dtype=torch.long)), "samples", 4),
+    ((torch.zeros(4, 8, dtype=torch.long), torch.zeros(4, 8, dtype=torch.long)), "tokens", 32),
+    ({"attention_mask": torch.ones(2, 5), "input_ids": torch.zeros(2, 5, dtype=torch.long)}, "tokens", 10),
+])
+def test_throughput_counts_rows_or_tokens_of_the_inputs(batch, unit, items):
+    from turbotrain.bench.configs import make_optimizer
+    from turbotrain.workloads.user import user_workload
+
+    workload = user_workload(nn.Identity, make_optimizer, [batch, batch], unit=unit)
+    assert (workload.unit, workload.items_per_batch) == (unit, items)
+
+
+def test_an_unknown_unit_is_refused():
+    from turbotrain.bench.configs import make_optimizer
+    from turbotrain.workloads.user import user_workload
+
+    with pytest.raises(ConfigError, match="samples' or 'tokens"):
+        user_workload(nn.Identity, make_optimizer, [torch.zeros(2, 3)] * 2, unit="words")
 
 
 def test_a_user_workload_takes_no_overrides():

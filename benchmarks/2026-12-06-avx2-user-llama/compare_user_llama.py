@@ -32,6 +32,6 @@ if __name__ == "__main__":
     text = get_workload("gpt")  # T=256, B=8, vocab 8192: (inputs, next tokens) from the stdlib corpus
     train = list(itertools.islice(text.batches("train", seed=0), TRAIN_BATCHES))
     val = list(itertools.islice(text.batches("val", seed=0), VAL_BATCHES))
-    turbotrain.bench.compare(build, train, loss_fn=loss_fn, val_batches=val, out=sys.argv[1],
+    turbotrain.bench.compare(build, train, loss_fn=loss_fn, val_batches=val, out=sys.argv[1], unit="tokens",
                              configs=["torch-compile-step-fp32", "tt-fused-fp32", "tt-fused-compile-fp32"],
                              malloc_tuned="--malloc-tuned" in sys.argv[2:])

@@ -25,20 +25,24 @@ __all__ = ["compare"]
 def compare(model_fn, batches, *, loss_fn=None, val_batches=None, configs=None, out="bench-out",
             steps: int = DEFAULT_STEPS, warmup: int = DEFAULT_WARMUP, rounds: int = DEFAULT_ROUNDS,
             device: str = "auto", reference: str | None = None, aa: bool = True, malloc_tuned: bool = False,
-            timeout: float = 1200.0, console=None) -> dict:
+            unit: str = "samples", timeout: float = 1200.0, console=None) -> dict:
     """Run the benchmark ladder on ``model_fn()`` trained on ``batches``; returns the results dict
     (results.json's content; docs/benchmark-schema.md) and writes the reports into ``out``.
 
     ``batches``: a list in the Engine's batch contract ((inputs, targets) with ``loss_fn``, or a dict
     for ``model(**batch)`` whose output has ``.loss``); train batches cycle, and the last quarter is
     held out for the val loss unless ``val_batches`` is given. ``configs``: row names (``turbotrain
-    bench --list``), default the device's ladder. ``malloc_tuned``: start every row's process with
-    glibc's tuned allocator settings (``--malloc-tuned``), peers and turbotrain rows alike.
+    bench --list``; a list, or one comma-separated string), default the device's ladder.
+    ``malloc_tuned``: start every row's process with glibc's tuned allocator settings
+    (``--malloc-tuned``), peers and turbotrain rows alike. ``unit``: throughput in "samples" (rows)
+    or "tokens" (elements of the inputs, a (batch, sequence) tensor of ids, or ``input_ids``).
     """
     from ..hardware import TUNED_MALLOC_ENV
     from ..workloads.user import save_payload, user_workload
 
-    workload = user_workload(model_fn, make_optimizer, batches, loss_fn=loss_fn, val_batches=val_batches)
+    workload = user_workload(model_fn, make_optimizer, batches, loss_fn=loss_fn, val_batches=val_batches, unit=unit)
+    if isinstance(configs, str):
+        configs = [c.strip() for c in configs.split(",") if c.strip()]
     env = dict(TUNED_MALLOC_ENV) if malloc_tuned else {}
     before = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # the workers inherit it

@@ -44,16 +44,22 @@ class UserWorkload(Workload):
     """Called with the parameters after the Engine's transforms (the Engine's optimizer factory)."""
 
 
-def _rows(batch) -> int:
+def _inputs(batch) -> torch.Tensor:
+    """The tensor a batch's rows and tokens are counted on: ``input_ids`` of a dict, else the first tensor."""
+    if isinstance(batch, dict) and isinstance(batch.get("input_ids"), torch.Tensor):
+        return batch["input_ids"]
     leaves = [t for t in torch.utils._pytree.tree_leaves(batch) if isinstance(t, torch.Tensor)]
     if not leaves or leaves[0].dim() == 0:
         raise ConfigError("the batches must hold tensors with a batch dimension: (inputs, targets), a dict or a tensor")
-    return int(leaves[0].shape[0])
+    return leaves[0]
 
 
-def user_workload(model_fn, optimizer_fn, batches, loss_fn=None, val_batches=None) -> UserWorkload:
+def user_workload(model_fn, optimizer_fn, batches, loss_fn=None, val_batches=None, unit: str = "samples") -> UserWorkload:
     """A UserWorkload over ``batches`` (a list); val: ``val_batches``, else the last quarter of ``batches``
-    (at least one), which is then not trained on."""
+    (at least one), which is then not trained on. ``unit``: what throughput counts, "samples" (rows of
+    the inputs) or "tokens" (their elements: a (batch, sequence) tensor of token ids, or ``input_ids``)."""
+    if unit not in ("samples", "tokens"):
+        raise ConfigError(f"unit={unit!r} is not a throughput unit; choose 'samples' or 'tokens'")
     for name, fn in (("model_fn", model_fn), ("optimizer_fn", optimizer_fn)):
         if not callable(fn):
             raise ConfigError(f"{name} must be callable ({name}() -> model; optimizer_fn(params) -> optimizer)")
@@ -67,8 +73,10 @@ def user_workload(model_fn, optimizer_fn, batches, loss_fn=None, val_batches=Non
     val_batches = list(val_batches)
     if not batches or not val_batches:
         raise ConfigError("at least one train batch and one val batch are needed")
-    rows = _rows(batches[0])
-    return UserWorkload(name="user", kind="user", unit="samples", items_per_batch=rows, build_model=model_fn,
+    inputs = _inputs(batches[0])
+    rows = int(inputs.shape[0])
+    return UserWorkload(name="user", kind="user", unit=unit, items_per_batch=rows if unit == "samples" else inputs.numel(),
+                        build_model=model_fn,
                         loss_fn=loss_fn, batches=ListBatches(batches, val_batches),
                         description=f"{getattr(model_fn, '__qualname__', type(model_fn).__name__)} on "
                                     f"{len(batches)} train / {len(val_batches)} val batches of {rows} rows",
