@@ -248,3 +248,19 @@ def test_fused_loss_advice_names_what_the_engine_rolled_back(monkeypatch):
                     config=Config(device="cpu", fuse=("linear_cross_entropy",)))
     report = profile(engine, lm_batches(), steps=1, warmup=1, peak_flops=PEAK_FLOPS, peak_bandwidth=PEAK_BW)
     assert any("not advised: the logits pass through Mul" in n for n in report.notes), report.notes
+
+
+def test_no_lone_forward_is_run_for_the_advice_when_ranks_profile_together(monkeypatch):
+    """Each rank decides from its own timings whether to check the head; a forward on one rank alone
+    would hang on a sharded model's collectives, so across processes the check is not made."""
+    from turbotrain import Config, Engine
+    from turbotrain.fusion import loss_head
+    from turbotrain.profile import advice, core
+
+    monkeypatch.setitem(advice.THRESHOLDS, "loss", 0.0)
+    model = CappedLM(softcap=True)
+    engine = Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), config=Config(device="cpu"))
+    monkeypatch.setattr(core, "_processes", lambda: 2)
+    monkeypatch.setattr(loss_head, "loss_head_refusal", lambda *a, **k: pytest.fail("ran a forward on one rank"))
+    report = profile(engine, lm_batches(), steps=1, warmup=1, peak_flops=PEAK_FLOPS, peak_bandwidth=PEAK_BW)
+    assert not any("not advised" in n or "checking it failed" in n for n in report.notes), report.notes

@@ -163,9 +163,17 @@ def _count_step(engine, batches, notes) -> StepCounts | None:
     return counter.counts
 
 
+def _processes() -> int:
+    """How many processes train together (1 without an initialised process group)."""
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 def _loss_head_refusal(engine, batches) -> str:
     """Why the fused linear+cross-entropy could not replace ``engine``'s loss ("" if nothing says so, or if
-    ``engine`` is not a turbotrain Engine and cannot be asked). The Engine's own verdict when it tried."""
+    ``engine`` is not a turbotrain Engine and cannot be asked). The Engine's own verdict when it tried.
+    Without that verdict, not checked across processes: each rank decides from its own timings whether
+    to ask, and a forward on one rank alone would wait forever on a sharded model's collectives."""
     from ..engine import Engine
 
     if not isinstance(engine, Engine):
@@ -173,6 +181,8 @@ def _loss_head_refusal(engine, batches) -> str:
     fusion = engine._transform("fusion")
     if fusion is not None and fusion.loss_head is not None:
         return "" if fusion.loss_head.fused else fusion.loss_head.reason
+    if _processes() > 1:
+        return ""
     from ..batch import as_batch
     from ..fusion.loss_head import loss_head_refusal
     from ..plan import find_head
