@@ -105,6 +105,9 @@ class WorkerSpec:
     """A file turbotrain.tune wrote (load_payload) holding a user's workload, used instead of ``workload``."""
     count_ops: bool = True
     """Count the ATen ops of one more step at finish (the fusion ablation); tune turns it off."""
+    profile_steps: bool = True
+    """Profile a few more steps at finish on CPU: the tensor peak and bench/split.py's split. Tune turns
+    it off: its table reads neither, and each profiled step costs several plain ones of its budget."""
 
 
 def load_workload(name: str, overrides: dict | None = None):
@@ -290,8 +293,9 @@ class RowSession:
         spec = self.spec
         peak = torch.cuda.max_memory_allocated() - self.base_cuda if self.cuda else self.rss.peak - self.rss.baseline
         val_loss = self.val_loss if self.val_loss is not None else self.val()["val_loss"]
-        tensor_peak = None if self.cuda else self._tensor_peak()
-        split = None if self.cuda else self._split()
+        profiled = spec.profile_steps and not self.cuda
+        tensor_peak = self._tensor_peak() if profiled else None
+        split = self._split() if profiled else None
         counted = spec.count_ops and not getattr(self.trainer, "compiled", False)
         op_count = count_step_ops(self.trainer, next(self.stream)) if counted else None
         return {"val_loss": val_loss, "ops_per_step": op_count, "peak_memory_bytes": peak,

@@ -283,7 +283,7 @@ class _Admission:
 def _specs(ordered: list[Candidate], settings: TuneSettings, device: str, workload_spec: dict,
            threads: int) -> dict[str, WorkerSpec]:
     return {c.name: WorkerSpec(config=CONFIG_ROW, device=device, warmup=settings.warmup, seed=settings.seed,
-                               val_batches=settings.val_batches, threads=threads, count_ops=False,
+                               val_batches=settings.val_batches, threads=threads, count_ops=False, profile_steps=False,
                                engine_config=c.config().to_dict(), **workload_spec) for c in ordered}
 
 
