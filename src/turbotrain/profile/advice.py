@@ -76,9 +76,10 @@ def recommend(report, config=None, head_refusal: str = "") -> list[Recommendatio
             f"dtype casts take {share['casts']:.0%} of the step",
             "keep the model in bf16 with FP32 master weights, so weights are not cast every forward",
             "Config(precision='bf16-master')"))
-    if loss_share(report) >= THRESHOLDS["loss"] and "linear_cross_entropy" not in fuse and not head_refusal:
+    loss = loss_share(report)
+    if loss >= THRESHOLDS["loss"] and "linear_cross_entropy" not in fuse and not head_refusal:
         recs.append(Recommendation(
-            f"log_softmax/cross-entropy (forward and backward) take {loss_share(report):.0%} of the step",
+            f"log_softmax/cross-entropy (forward and backward) take {loss:.0%} of the step",
             "fuse the classifier matmul with the loss so the logits are never materialised",
             "Config(fuse=('linear_cross_entropy',))"))
     calls = sum(r.calls for r in report.ops if r.category == "elementwise")

@@ -266,10 +266,11 @@ def profile(engine, batches, steps: int = 5, warmup: int = 2, *, peak_flops: flo
             report.mfu = counts.flops / (report.unprofiled_step_time_s * peak_flops)
     report.mfu_conventions = MFU_CONVENTIONS + f"Peak: {_fmt_peak(peak_flops)} FLOP/s, {source}."
     refusal = ""
-    if loss_share(report) >= THRESHOLDS["loss"]:
+    loss = loss_share(report)
+    if loss >= THRESHOLDS["loss"]:
         refusal = _loss_head_refusal(engine, batches)
         if refusal:
-            notes.append(f"log_softmax/cross-entropy take {loss_share(report):.0%} of the step, but the fused "
+            notes.append(f"log_softmax/cross-entropy take {loss:.0%} of the step, but the fused "
                          f"linear+cross-entropy is not advised: {refusal}")
     report.recommendations = recommend(report, getattr(engine, "config", None), head_refusal=refusal)
     if out_dir is not None:
