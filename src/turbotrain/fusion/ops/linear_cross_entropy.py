@@ -73,6 +73,16 @@ def _ce_chunk(logits: Tensor, targets: Tensor, ignore_index: int, with_bias: boo
     return loss_sum, grad.to(logits.dtype), grad_bias
 
 
+@epilogue
+def _accumulate(total: Tensor, part: Tensor) -> None:
+    """``total += part`` into the FP32 ``total`` in one pass over both.
+
+    Eager PyTorch first upcasts a low-precision ``part`` into a temporary; on the AVX512-BF16 EPYC
+    that made each chunk's weight-gradient accumulation (8192 x 512) 2.1 ms against 0.3 ms compiled.
+    """
+    total.add_(part.float())
+
+
 def _chunk_loss_and_grad(logits, targets, ignore_index, with_bias):
     if use_triton(logits):
         from . import _triton_kernels
@@ -110,7 +120,7 @@ def _lce(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor
     f32 = dict(dtype=torch.float32, device=hidden.device)
     loss_sum = torch.zeros((), **f32)
     grad_h = torch.empty(h2.shape, **f32) if need_h else h2.new_empty(0, dtype=torch.float32)
-    grad_w = torch.zeros(weight.shape, **f32) if need_w else None
+    grad_w = None  # the first chunk's product starts it: no zeros to add to
     grad_b = torch.zeros(weight.shape[0], **f32) if bias is not None else None
     for start in range(0, h2.shape[0], chunk_rows):
         hc, tc = h2[start:start + chunk_rows], t[start:start + chunk_rows]
@@ -125,12 +135,23 @@ def _lce(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor
                 rows_h.copy_(torch.mm(grad_logits, weight))
             rows_h.mul_(scale)
         if need_w:
-            if grad_w.dtype == grad_logits.dtype:
-                grad_w.addmm_(grad_logits.t(), hc)
+            if grad_logits.dtype == torch.float32:
+                if grad_w is None:
+                    grad_w = torch.mm(grad_logits.t(), hc)
+                else:
+                    grad_w.addmm_(grad_logits.t(), hc)
             else:  # low-precision GEMM, FP32 accumulation across chunks
-                grad_w += torch.mm(grad_logits.t(), hc)
+                part = torch.mm(grad_logits.t(), hc)
+                if grad_w is None:
+                    grad_w = part.float()
+                elif grad_w.is_cuda:  # one mixed-dtype kernel there already
+                    grad_w += part
+                else:
+                    _accumulate(grad_w, part)
         if grad_b is not None:
             grad_b += grad_bias_c
+    if need_w and grad_w is None:  # no rows
+        grad_w = torch.zeros(weight.shape, **f32)
     grad_w = grad_w.mul_(scale) if need_w else weight.new_empty(0, dtype=torch.float32)
     grad_b = grad_b.mul_(scale) if bias is not None else weight.new_empty(0, dtype=torch.float32)
     return loss_sum * scale, grad_h.view(hidden.shape) if need_h else grad_h, grad_w, grad_b
