@@ -200,3 +200,44 @@ def test_engine_compiles_plain_attention_on_a_bf16_cpu_and_matches_stock():
 
 def test_docstring_examples_run():
     assert doctest.testmod(attention).failed == 0
+
+
+def test_only_an_all_ones_padding_mask_is_left_out():
+    from turbotrain.fusion.compile import without_full_padding_mask
+
+    ids = torch.zeros(2, 5, dtype=torch.long)
+    full = {"input_ids": ids, "attention_mask": torch.ones(2, 5, dtype=torch.long)}
+    assert without_full_padding_mask(full).keys() == {"input_ids"}
+    padded = {"input_ids": ids, "attention_mask": torch.tensor([[1] * 5, [1, 1, 1, 0, 0]])}
+    assert without_full_padding_mask(padded) is padded
+    custom = {"input_ids": ids, "attention_mask": torch.ones(2, 1, 5, 5, dtype=torch.bool)}  # 4-d: the user's own
+    assert without_full_padding_mask(custom) is custom
+    assert without_full_padding_mask({"input_ids": ids}) == {"input_ids": ids}
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["all-ones-mask", "padding-mask"])
+def test_compiled_hf_model_attends_causally_without_padding(padded, monkeypatch):
+    """With torch < 2.14 transformers materialises a 4-d mask from any mask while compiling; the
+    Engine leaves an all-ones one out, so attention runs is_causal (block skipping) as it does eagerly."""
+    hf = pytest.importorskip("hf_models")
+    torch._dynamo.reset()
+    model = hf.build("llama")
+    batch = hf.batches("llama", 1)[0]
+    if not padded:
+        batch = {"input_ids": batch["input_ids"], "attention_mask": torch.ones_like(batch["input_ids"]),
+                 "labels": batch["input_ids"]}
+    with torch.no_grad():
+        expected = model(**batch).loss
+    calls = []
+    plain = attention.plain_attention
+
+    def spy(query, key, value, attn_mask=None, is_causal=False, *args):
+        calls.append((attn_mask is None, is_causal))  # at trace time: once per layer
+        return plain(query, key, value, attn_mask, is_causal, *args)
+
+    monkeypatch.setattr(attention, "plain_attention", spy)
+    engine = Engine(model, torch.optim.SGD(model.parameters(), lr=0.0), config=Config(
+        device="cpu", compile=True, attention="plain"))
+    loss = engine.step(batch).loss
+    assert calls and set(calls) == ({(False, False)} if padded else {(True, True)})
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=0)
