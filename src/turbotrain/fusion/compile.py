@@ -10,7 +10,6 @@ eagerly. Padding batches up to a few bucket lengths bounds the graphs at ``len(b
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 
 import torch
@@ -81,31 +80,6 @@ def _side_effects_once():
     return torch._dynamo.config.patch(**{_ONCE: True})
 
 
-def _is_hf_model(model) -> bool:
-    """A transformers PreTrainedModel (without importing transformers where it is not loaded)."""
-    import sys
-
-    transformers = sys.modules.get("transformers")
-    return transformers is not None and isinstance(model, transformers.PreTrainedModel)
-
-
-def without_full_padding_mask(kwargs: dict) -> dict:
-    """``kwargs`` without a 2-D ``attention_mask`` that masks nothing (all ones); as it was otherwise.
-
-    A Hugging Face model reads a missing mask as all ones, so its loss and gradients are the same;
-    what changes is its attention call. Under torch.compile with torch < 2.14, transformers never
-    reads a mask's values while tracing (its ``_ignore_causal_mask_sdpa``), so a tokenizer's
-    all-ones mask becomes a materialised 4-D causal mask: attention then runs the full square, the
-    stock kernel and turbotrain's plain attention alike, with no causal block skipping. Without the
-    mask it calls ``scaled_dot_product_attention(is_causal=True)``, as it does eagerly. The check reads
-    the mask once per step, as transformers' own eager check does.
-    """
-    mask = kwargs.get("attention_mask")
-    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and bool(mask.all()):
-        return {k: v for k, v in kwargs.items() if k != "attention_mask"}
-    return kwargs
-
-
 class CompileTransform(Transform):
     """``Config(compile=True)``: torch.compile over the forward *and* the loss, as one function.
 
@@ -127,13 +101,9 @@ class CompileTransform(Transform):
 
     def __init__(self, attention: bool | None = False):
         self._graphs_at_start: int | None = None
-        self._hf = False  # a Hugging Face model: an all-ones attention_mask is left out (set in apply)
         self.attention = attention
         """True, False, or None: chosen at set-up (plain attention on a CPU in bf16)."""
         self._attention_reason = ""
-
-    def apply(self, model, plan, ctx) -> None:
-        self._hf = _is_hf_model(model)
 
     def wrap_runner(self, runner, plan, ctx):
         if self.attention is None:
@@ -149,15 +119,12 @@ class CompileTransform(Transform):
                     return inner(*args, **kwargs)
 
         compiled = torch.compile(runner)
-        once = hasattr(torch._dynamo.config, _ONCE)
-        if not once and not self._hf:
+        if not hasattr(torch._dynamo.config, _ONCE):
             return compiled
 
-        def run_compiled(args, kwargs, *rest):
-            if self._hf:
-                kwargs = without_full_padding_mask(kwargs)
-            with _side_effects_once() if once else contextlib.nullcontext():
-                return compiled(args, kwargs, *rest)
+        def run_compiled(*args, **kwargs):
+            with _side_effects_once():
+                return compiled(*args, **kwargs)
 
         return run_compiled
 
