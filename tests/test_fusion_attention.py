@@ -200,3 +200,59 @@ def test_engine_compiles_plain_attention_on_a_bf16_cpu_and_matches_stock():
 
 def test_docstring_examples_run():
     assert doctest.testmod(attention).failed == 0
+
+
+def test_unpadded_hf_masks_swaps_the_sdpa_mask_only_for_an_all_ones_mask():
+    masking_utils = pytest.importorskip("transformers.masking_utils")
+    from turbotrain.fusion.compile import unpadded_hf_masks
+
+    registry = masking_utils.AttentionMaskInterface._global_mapping
+    stock = registry["sdpa"]
+    ids = torch.zeros(2, 6, dtype=torch.long)
+    with unpadded_hf_masks({"input_ids": ids, "attention_mask": torch.ones(2, 6, dtype=torch.long)}):
+        swapped = registry["sdpa"]
+        assert swapped is not stock
+        exact = dict(batch_size=2, q_length=6, kv_length=6, mask_function=masking_utils.causal_mask_function,
+                     attention_mask=torch.ones(2, 6, dtype=torch.long))
+        assert swapped(**exact) is None  # sdpa's is_causal stands for it
+        window = masking_utils.and_masks(masking_utils.causal_mask_function,
+                                         masking_utils.sliding_window_overlay(3))
+        sliding = {**exact, "mask_function": window, "local_size": 3}  # as transformers asks for a sliding window
+        built = swapped(**sliding)
+        assert built is not None and torch.equal(built, stock(**sliding))
+    assert registry["sdpa"] is stock
+    padded = torch.tensor([[1] * 6, [1, 1, 1, 1, 0, 0]])
+    with unpadded_hf_masks({"input_ids": ids, "attention_mask": padded}):
+        assert registry["sdpa"] is stock
+    with unpadded_hf_masks({"input_ids": ids}):  # no mask: transformers decides (packed sequences, ...)
+        assert registry["sdpa"] is stock
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["all-ones-mask", "padding-mask"])
+def test_compiled_hf_model_attends_causally_without_padding(padded, monkeypatch):
+    """Under torch.compile transformers (torch < 2.14) materialises a 4-d causal mask from any mask,
+    in training (no cache) even without one; on an unpadded batch the Engine keeps sdpa's is_causal
+    path, as transformers takes eagerly, with the same loss."""
+    hf = pytest.importorskip("hf_models")
+    torch._dynamo.reset()
+    model = hf.build("llama")
+    model.config.use_cache = False  # training: no cache
+    batch = hf.batches("llama", 1)[0]
+    if not padded:
+        batch = {"input_ids": batch["input_ids"], "attention_mask": torch.ones_like(batch["input_ids"]),
+                 "labels": batch["input_ids"]}
+    with torch.no_grad():
+        expected = model(**batch).loss
+    calls = []
+    plain = attention.plain_attention
+
+    def spy(query, key, value, attn_mask=None, is_causal=False, *args):
+        calls.append((attn_mask is None, is_causal))  # at trace time: once per layer
+        return plain(query, key, value, attn_mask, is_causal, *args)
+
+    monkeypatch.setattr(attention, "plain_attention", spy)
+    engine = Engine(model, torch.optim.SGD(model.parameters(), lr=0.0), config=Config(
+        device="cpu", compile=True, attention="plain"))
+    loss = engine.step(batch).loss
+    assert calls and set(calls) == ({(False, False)} if padded else {(True, True)})
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=0)

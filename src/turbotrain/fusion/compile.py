@@ -10,6 +10,7 @@ eagerly. Padding batches up to a few bucket lengths bounds the graphs at ``len(b
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import torch
@@ -80,6 +81,56 @@ def _side_effects_once():
     return torch._dynamo.config.patch(**{_ONCE: True})
 
 
+def _is_hf_model(model) -> bool:
+    """A transformers PreTrainedModel (without importing transformers where it is not loaded)."""
+    import sys
+
+    transformers = sys.modules.get("transformers")
+    return transformers is not None and isinstance(model, transformers.PreTrainedModel)
+
+
+@contextlib.contextmanager
+def unpadded_hf_masks(kwargs: dict):
+    """While a Hugging Face model runs on ``kwargs``: if their ``attention_mask`` masks nothing (a
+    host-side check, once a step, as transformers' own eager check), its plain causal sdpa mask is
+    left to ``scaled_dot_product_attention(is_causal=True)`` instead of being materialised.
+
+    Under torch.compile transformers (5.x with torch < 2.14) cannot read the mask's values while
+    tracing, so it builds the full 4-d causal mask from a tokenizer's all-ones mask, and attention
+    runs the whole T x T square: the stock kernel without its causal path, and turbotrain's plain
+    attention on its masked path, FP32 scores of all of it kept for the backward. Leaving the mask
+    out does not help in training: with no cache, transformers then looks for packed sequences in
+    the position ids, which it cannot decide while tracing either. So the mask stays, and the sdpa
+    mask function returns None when what it was asked for is exactly causal (no sliding window, no
+    packing, no extra mask functions, no offsets), which is what eager transformers does for such a
+    batch. A padded batch, or any other mask, is built as transformers builds it.
+    """
+    mask = kwargs.get("attention_mask")
+    if not (isinstance(mask, torch.Tensor) and mask.dim() == 2 and bool(mask.all())):
+        yield
+        return
+    from transformers import masking_utils
+
+    registry = masking_utils.AttentionMaskInterface._global_mapping
+    stock = registry["sdpa"]
+
+    def sdpa_mask(*args, **kw):
+        exact_causal = (not args and kw.get("allow_is_causal_skip", True) and kw.get("local_size") is None
+                        and kw.get("mask_function") is masking_utils.causal_mask_function
+                        and kw.get("q_offset", 0) == 0 and kw.get("kv_offset", 0) == 0
+                        and kw.get("q_length") == kw.get("kv_length"))
+        return None if exact_causal else stock(*args, **kw)
+
+    registry["sdpa"] = _UNPADDED.setdefault(stock, sdpa_mask)  # one function per stock one: no recompiles
+    try:
+        yield
+    finally:
+        registry["sdpa"] = stock
+
+
+_UNPADDED: dict = {}
+
+
 class CompileTransform(Transform):
     """``Config(compile=True)``: torch.compile over the forward *and* the loss, as one function.
 
@@ -101,9 +152,13 @@ class CompileTransform(Transform):
 
     def __init__(self, attention: bool | None = False):
         self._graphs_at_start: int | None = None
+        self._hf = False  # a Hugging Face model: unpadded batches keep sdpa's causal path (set in apply)
         self.attention = attention
         """True, False, or None: chosen at set-up (plain attention on a CPU in bf16)."""
         self._attention_reason = ""
+
+    def apply(self, model, plan, ctx) -> None:
+        self._hf = _is_hf_model(model)
 
     def wrap_runner(self, runner, plan, ctx):
         if self.attention is None:
@@ -119,12 +174,17 @@ class CompileTransform(Transform):
                     return inner(*args, **kwargs)
 
         compiled = torch.compile(runner)
-        if not hasattr(torch._dynamo.config, _ONCE):
+        once = hasattr(torch._dynamo.config, _ONCE)
+        if not once and not self._hf:
             return compiled
 
-        def run_compiled(*args, **kwargs):
-            with _side_effects_once():
-                return compiled(*args, **kwargs)
+        def run_compiled(args, kwargs, *rest):
+            with contextlib.ExitStack() as stack:
+                if self._hf:
+                    stack.enter_context(unpadded_hf_masks(kwargs))
+                if once:
+                    stack.enter_context(_side_effects_once())
+                return compiled(args, kwargs, *rest)
 
         return run_compiled
 
