@@ -159,25 +159,30 @@ def fixed_batches(workload, split: str, count: int, seed: int, device: str) -> l
     return [next(stream) for _ in range(count)]
 
 
+def _reset_kernel_peak() -> None:
+    """Set this process's resident high-water mark (VmHWM) to what is resident now."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
 def _kernel_peak_available() -> bool:
     """Whether this kernel keeps a resettable resident high-water mark (Linux >= 4.0)."""
     try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return _status_kib("VmHWM") is not None
+        _reset_kernel_peak()
+        return "VmHWM" in _status_kib()
     except OSError:
         return False
 
 
-def _status_kib(*keys: str) -> int | None:
-    """Sum of ``keys`` (kB figures) in /proc/self/status, or None when one is missing."""
+def _status_kib() -> dict[str, int]:
+    """The kB figures of /proc/self/status (VmHWM, RssFile, RssShmem, ...), read once."""
     found = {}
     with open("/proc/self/status") as f:
         for line in f:
             key, _, value = line.partition(":")
-            if key in keys:
+            if value.rstrip().endswith("kB"):
                 found[key] = int(value.split()[0])
-    return sum(found.values()) if len(found) == len(keys) else None
+    return found
 
 
 class RssSampler:
@@ -216,8 +221,8 @@ class RssSampler:
 
     def _mark(self) -> int:
         """The kernel's high-water mark since the last reset, less the pages that are not anonymous."""
-        hwm, other = _status_kib("VmHWM"), _status_kib("RssFile", "RssShmem")
-        return (hwm - (other or 0)) * 1024
+        status = _status_kib()
+        return (status["VmHWM"] - status.get("RssFile", 0) - status.get("RssShmem", 0)) * 1024
 
     @property
     def peak(self) -> int:
@@ -239,8 +244,7 @@ class RssSampler:
 
     def resume(self) -> None:
         if self.kernel_peak:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
+            _reset_kernel_peak()
         self._active.set()
 
     def __enter__(self):
