@@ -11,6 +11,7 @@ eagerly. Padding batches up to a few bucket lengths bounds the graphs at ``len(b
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 
 import torch
@@ -113,6 +114,17 @@ def unpadded_hf_masks(kwargs: dict):
 
     registry = masking_utils.AttentionMaskInterface._global_mapping
     stock = registry["sdpa"]
+    registry["sdpa"] = _causal_skipping(stock)
+    try:
+        yield
+    finally:
+        registry["sdpa"] = stock
+
+
+@functools.cache  # one function per stock one: the compiled graph's guard on it holds from step to step
+def _causal_skipping(stock):
+    """``stock`` (transformers' sdpa mask function), but None for an exactly causal request."""
+    from transformers import masking_utils
 
     def sdpa_mask(*args, **kw):
         exact_causal = (not args and kw.get("allow_is_causal_skip", True) and kw.get("local_size") is None
@@ -121,14 +133,7 @@ def unpadded_hf_masks(kwargs: dict):
                         and kw.get("q_length") == kw.get("kv_length"))
         return None if exact_causal else stock(*args, **kw)
 
-    registry["sdpa"] = _UNPADDED.setdefault(stock, sdpa_mask)  # one function per stock one: no recompiles
-    try:
-        yield
-    finally:
-        registry["sdpa"] = stock
-
-
-_UNPADDED: dict = {}
+    return sdpa_mask
 
 
 class CompileTransform(Transform):
