@@ -85,3 +85,56 @@ def test_recompile_budget_warns_once(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert not check_recompile_budget(count=limit + 5)
+
+
+def test_repeated_low_precision_reductions_become_copies_of_the_first():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def grads(g):  # two biases fed by one residual: each gradient is the same column sum
+        return g.sum(0), g.sum(0), g.float().sum(0), g.amax(0)
+
+    gm = make_fx(grads)(torch.randn(6, 4, dtype=torch.bfloat16))
+    sums = [n for n in gm.graph.nodes if n.target is torch.ops.aten.sum.dim_IntList]
+    assert len(sums) == 3  # the FP32 sum is not the same reduction
+    assert fcompile.fold_repeated_reductions(gm.graph) == 1
+    gm.recompile()
+    assert len([n for n in gm.graph.nodes if n.target is torch.ops.aten.sum.dim_IntList]) == 2
+    assert len([n for n in gm.graph.nodes if n.target is torch.ops.aten.clone.default]) == 1
+    g = torch.randn(6, 4, dtype=torch.bfloat16)
+    first, second, wide, peak = gm(g)
+    torch.testing.assert_close(second, g.sum(0), rtol=0, atol=0)
+    assert second.data_ptr() != first.data_ptr()  # its own buffer: the two gradients do not alias
+    torch.testing.assert_close(wide, g.float().sum(0))
+    torch.testing.assert_close(peak, g.amax(0))
+
+
+class ParallelResidual(nn.Module):
+    """``x + attn(x) + mlp(x)`` as GPT-NeoX and Phi write it: both output biases get one gradient."""
+
+    def __init__(self, vocab=40, dim=16):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.attn_out, self.mlp_out = nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.lm_head = nn.Linear(dim, vocab)
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        return self.lm_head(x + self.attn_out(x) + self.mlp_out(torch.relu(x)))
+
+
+def test_compile_trains_a_parallel_residual_in_bf16():
+    """bf16 parameters make the repeated bias-gradient sum bf16, which Inductor (torch 2.13, CPU)
+    compiled into a kernel that did not build (fold_repeated_reductions); the Engine's compile trains
+    it, as eager bf16 does."""
+    from turbotrain import Config, Engine
+
+    torch._dynamo.reset()
+    idx = torch.randint(0, 40, (4, 12), generator=torch.Generator().manual_seed(0))
+    losses = {}
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = ParallelResidual()
+        engine = Engine(model, torch.optim.AdamW(model.parameters(), lr=1e-2), cross_entropy_loss,
+                        config=Config(device="cpu", precision="bf16-master", compile=compiled))
+        losses[compiled] = [float(engine.step((idx, idx)).loss) for _ in range(3)]
+    torch.testing.assert_close(torch.tensor(losses[True]), torch.tensor(losses[False]), rtol=2e-2, atol=0)

@@ -82,6 +82,68 @@ def _side_effects_once():
     return torch._dynamo.config.patch(**{_ONCE: True})
 
 
+#: Reductions whose repeats shared_reductions() folds (the ones a backward repeats: bias gradients).
+_REDUCTIONS = (("sum", "dim_IntList"), ("sum", "default"), ("mean", "dim"), ("amax", "default"), ("amin", "default"))
+
+
+def fold_repeated_reductions(graph) -> int:
+    """Make each repeat of a bf16/fp16 reduction in ``graph`` (an FX graph) a copy of its first instance.
+
+    Works around an Inductor C++ bug (torch 2.13, CPU): when two identical reductions with a bf16 or
+    fp16 result land in one kernel, the kernel computes the reduction once and declares the same
+    converted variable for each of its stores, which does not compile ("conflicting declaration
+    at_BFloat16_tmp_acc0_vec"). A backward repeats a reduction whenever two biases add to the same
+    sum: a parallel-residual block (GPT-NeoX, Phi: ``x + attn(x) + mlp(x)``) gives its attention's
+    and its MLP's output biases the same gradient, the column sum of the residual's. With bf16
+    parameters (``bf16-master``) those sums are bf16, so ``compile=True`` failed on GPT-NeoX where
+    torch.compile over an autocast step (FP32 parameters, FP32 sums) did not. The copy is the same
+    value in a buffer of its own (the two gradients do not alias). Returns the number folded.
+    """
+    aten = torch.ops.aten
+    targets = {getattr(getattr(aten, op), overload) for op, overload in _REDUCTIONS}
+    first, folded = {}, 0
+    for node in list(graph.nodes):
+        value = node.meta.get("val")
+        if (node.op != "call_function" or node.target not in targets or not isinstance(value, torch.Tensor)
+                or value.dtype not in (torch.bfloat16, torch.float16)):
+            continue
+        key = (node.target, repr(node.args), repr(sorted(node.kwargs.items())))
+        if key not in first:
+            first[key] = node
+            continue
+        with graph.inserting_after(node):
+            copy = graph.call_function(aten.clone.default, (first[key],))
+        copy.meta.update(node.meta)
+        node.replace_all_uses_with(copy)
+        graph.erase_node(node)
+        folded += 1
+    return folded
+
+
+@functools.cache
+def _fold_pass():
+    """fold_repeated_reductions as an Inductor post-grad pass (built on first use: importing
+    torch._inductor takes seconds)."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+    class FoldRepeatedReductions(CustomGraphPass):
+        def __call__(self, graph) -> None:
+            fold_repeated_reductions(graph)
+
+        def uuid(self):  # Inductor's FX graph cache keys compiled graphs on it
+            return get_hash_for_files((__file__,))
+
+    return FoldRepeatedReductions()
+
+
+def _compile_options() -> dict:
+    """Inductor options for the Engine's compile: the fold pass, then any the user set."""
+    from torch._inductor import config
+    from torch._inductor.custom_graph_pass import get_custom_graph_passes
+
+    return {"post_grad_custom_post_pass": (_fold_pass(), *get_custom_graph_passes(config.post_grad_custom_post_pass))}
+
+
 def _is_hf_model(model) -> bool:
     """A transformers PreTrainedModel (without importing transformers where it is not loaded)."""
     import sys
@@ -178,7 +240,7 @@ class CompileTransform(Transform):
                 with PlainAttentionMode():
                     return inner(*args, **kwargs)
 
-        compiled = torch.compile(runner)
+        compiled = torch.compile(runner, options=_compile_options())
         once = hasattr(torch._dynamo.config, _ONCE)
         if not once and not self._hf:
             return compiled
