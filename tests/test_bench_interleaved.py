@@ -491,3 +491,16 @@ def test_the_peak_memory_cell_adds_the_tensor_peak_only_where_there_is_one():
     column = TABLE_COLUMNS.index("peak mem")
     assert table_cells("cpu", config(peak_memory=3 * 2**20, tensor_peak=2**20), "tokens")[column] == "3 MiB (tensors 1)"
     assert table_cells("cuda", config(peak_memory=3 * 2**20), "tokens")[column] == "3 MiB"  # no stray mark
+
+
+def test_a_failed_row_shows_one_line_of_its_error_and_keeps_the_whole_text():
+    from turbotrain.bench.report import table_cells
+
+    compiler = "\n".join(["In file included from vec.h:1:", "vec.h:243: warning: overflow [-Woverflow]"] * 2000)
+    error = f"InductorError: CppCompileError: C++ compile error\n{compiler}\nk.cpp:34:30: error: conflicting declaration"
+    config = {"status": "error", "error": error}
+    cell = table_cells("tt-fused-compile", config, "tokens")[2]
+    assert cell == "InductorError: CppCompileError: C++ compile error | k.cpp:34:30: error: conflicting declaration"
+    assert config["error"] == error  # results.json keeps every line
+    assert len(table_cells("row", {"status": "error", "error": "x" * 5000}, "tokens")[2]) == 240
+    assert table_cells("row", {"status": "error", "error": "worker died: exit 9"}, "tokens")[2] == "worker died: exit 9"

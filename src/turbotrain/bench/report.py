@@ -269,10 +269,26 @@ TABLE_COLUMNS = ("config", "status", "step s median (p20-p80)", "throughput", "v
                  "Δval vs fp32 (tol)")
 
 
+def error_cell(error: str, limit: int = 240) -> str:
+    """A failed row's error for its table cell: the first line, then the first compiler ``error:``
+    line where one follows (an Inductor C++ error is thousands of lines of compiler output), at most
+    ``limit`` characters. results.json keeps the whole text and the traceback.
+
+    >>> error_cell("InductorError: CppCompileError: C++ compile error\\nwarning: x\\nk.cpp:3: error: bad")
+    'InductorError: CppCompileError: C++ compile error | k.cpp:3: error: bad'
+    """
+    lines = [line.strip() for line in error.splitlines() if line.strip()]
+    if not lines:
+        return ""
+    detail = next((line for line in lines[1:] if "error:" in line), None)
+    text = lines[0] + (f" | {detail}" if detail else "")
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
 def table_cells(name: str, config: dict, unit: str) -> list[str]:
     """The report's table row for one config (shared by the terminal table and the HTML)."""
     if "metrics" not in config:
-        return [name, config.get("status", "?"), f"{config.get('error', '')}"] + [""] * (len(TABLE_COLUMNS) - 3)
+        return [name, config.get("status", "?"), error_cell(str(config.get("error", "")))] + [""] * (len(TABLE_COLUMNS) - 3)
     m = config["metrics"]
 
     def fmt(metric, pattern, scale=1.0):
