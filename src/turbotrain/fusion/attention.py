@@ -44,7 +44,9 @@ logger = logging.getLogger(__name__)
 #: Query rows per causal block. Smaller blocks skip more of the masked triangle (with n blocks,
 #: (n + 1) / 2n of ``q @ kᵀ`` is computed) but make smaller, less efficient matmuls. For compiled
 #: attention alone at T=256 on the (loaded) development CPU, 128 beat one block on one thread, and
-#: 64 and 32 were slower than 128 on two; whole-step measurements of the choice are still to come.
+#: 64 and 32 were slower than 128 on two. The whole step agrees (tt-fused-compile on gpt at T=256,
+#: AVX512-BF16, three rounds of alternating processes): 128 was fastest in every round, 64 1-9%
+#: and one block 6-16% slower (benchmarks/2026-12-06-avx512-families.md).
 DEFAULT_BLOCK = 128
 _SDPA = F.scaled_dot_product_attention
 _WARNED: set[str] = set()
