@@ -1,0 +1,1 @@
+for i in 1 2 3; do for b in 128 64 none; do PYTHONPATH=/tmp/fresh1/src flock /tmp/tt-cpu.lock env MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=17179869184 /work/main/.venv/bin/python /tmp/exp/block_arm.py $b 2>&1 | grep median; done; done
