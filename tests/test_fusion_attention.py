@@ -220,6 +220,20 @@ def test_unpadded_hf_masks_swaps_the_sdpa_mask_only_for_an_all_ones_mask():
         sliding = {**exact, "mask_function": window, "local_size": 3}  # as transformers asks for a sliding window
         built = swapped(**sliding)
         assert built is not None and torch.equal(built, stock(**sliding))
+        wide = dict(sliding, local_size=6)  # a window as long as the sequence: built, as eager transformers does
+        assert swapped(**wide) is not None and torch.equal(swapped(**wide), stock(**wide))
+        assert swapped(**dict(sliding, local_size=7)) is None  # longer than the sequence: causal, as eager skips it
+    assert registry["sdpa"] is stock
+    from turbotrain.fusion.compile import _causal_skipping
+
+    skip = _causal_skipping(lambda *args, **kw: "built by transformers")
+    assert skip(**exact) is None and skip(**dict(sliding, local_size=7)) is None
+    for request in (dict(exact, allow_is_causal_skip=False),  # extra mask functions, packing, bidirectional
+                    dict(exact, q_length=1),  # one query against six keys
+                    dict(exact, q_offset=2, kv_offset=2),
+                    dict(exact, q_offset=torch.tensor(0)),  # a static cache's offset is not read
+                    wide):
+        assert skip(**request) == "built by transformers"
     assert registry["sdpa"] is stock
     padded = torch.tensor([[1] * 6, [1, 1, 1, 1, 0, 0]])
     with unpadded_hf_masks({"input_ids": ids, "attention_mask": padded}):
@@ -255,4 +269,34 @@ def test_compiled_hf_model_attends_causally_without_padding(padded, monkeypatch)
         device="cpu", compile=True, attention="plain"))
     loss = engine.step(batch).loss
     assert calls and set(calls) == ({(False, False)} if padded else {(True, True)})
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("window", [64, 8], ids=["window-longer-than-the-sequence", "window-shorter"])
+def test_compiled_sliding_window_model_attends_causally_when_the_window_masks_nothing(window, monkeypatch):
+    """Mistral's window (4096 by default, like Gemma 2's and StarCoder2's) longer than the sequence
+    masks nothing beyond the causal triangle: eager transformers then asks sdpa for is_causal, and
+    so does the compiled Engine on an unpadded batch; a shorter window is built and passed as a mask."""
+    transformers = pytest.importorskip("transformers")
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = transformers.MistralForCausalLM(transformers.MistralConfig(
+        vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=96, max_position_embeddings=64, sliding_window=window, use_cache=False))
+    ids = torch.randint(2, 128, (2, 24), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    with torch.no_grad():
+        expected = model(**batch).loss
+    calls = []
+    plain = attention.plain_attention
+
+    def spy(query, key, value, attn_mask=None, is_causal=False, *args):
+        calls.append((attn_mask is None, is_causal))
+        return plain(query, key, value, attn_mask, is_causal, *args)
+
+    monkeypatch.setattr(attention, "plain_attention", spy)
+    engine = Engine(model, torch.optim.SGD(model.parameters(), lr=0.0), config=Config(
+        device="cpu", compile=True, attention="plain"))
+    loss = engine.step(batch).loss
+    assert calls and set(calls) == ({(True, True)} if window > 24 else {(False, False)})
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=0)

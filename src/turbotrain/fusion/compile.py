@@ -164,9 +164,10 @@ def unpadded_hf_masks(kwargs: dict):
     attention on its masked path, FP32 scores of all of it kept for the backward. Leaving the mask
     out does not help in training: with no cache, transformers then looks for packed sequences in
     the position ids, which it cannot decide while tracing either. So the mask stays, and the sdpa
-    mask function returns None when what it was asked for is exactly causal (no sliding window, no
-    packing, no extra mask functions, no offsets), which is what eager transformers does for such a
-    batch. A padded batch, or any other mask, is built as transformers builds it.
+    mask function returns None when what it was asked for is exactly causal (no packing, no extra
+    mask functions, no offsets, no window shorter than the sequence), which is what eager
+    transformers does for such a batch. A padded batch, or any other mask, is built as transformers
+    builds it.
     """
     mask = kwargs.get("attention_mask")
     if not (isinstance(mask, torch.Tensor) and mask.dim() == 2 and bool(mask.all())):
@@ -183,16 +184,27 @@ def unpadded_hf_masks(kwargs: dict):
         registry["sdpa"] = stock
 
 
+def _is_zero(offset) -> bool:
+    return isinstance(offset, int) and offset == 0  # a static cache's tensor offset is not read
+
+
 @functools.cache  # one function per stock one: the compiled graph's guard on it holds from step to step
 def _causal_skipping(stock):
-    """``stock`` (transformers' sdpa mask function), but None for an exactly causal request."""
-    from transformers import masking_utils
+    """``stock`` (transformers' sdpa mask function), but None where the request is exactly causal.
+
+    The rule is the one eager transformers applies to an unpadded batch (masking_utils'
+    ``_ignore_causal_mask_sdpa``): the caller allows the skip (it does not when it adds mask
+    functions, packing or a bidirectional pattern), queries and keys are the same positions (no
+    offsets, as many queries as keys), and a sliding window or chunk (``local_size``) is longer than
+    the keys, so it masks nothing beyond the causal triangle (Mistral, Gemma 2, StarCoder2 and Phi-3
+    at a sequence shorter than their window).
+    """
 
     def sdpa_mask(*args, **kw):
-        exact_causal = (not args and kw.get("allow_is_causal_skip", True) and kw.get("local_size") is None
-                        and kw.get("mask_function") is masking_utils.causal_mask_function
-                        and kw.get("q_offset", 0) == 0 and kw.get("kv_offset", 0) == 0
-                        and kw.get("q_length") == kw.get("kv_length"))
+        window, keys = kw.get("local_size"), kw.get("kv_length")
+        exact_causal = (not args and kw.get("allow_is_causal_skip", True) and isinstance(keys, int)
+                        and kw.get("q_length") == keys and (window is None or keys < window)
+                        and _is_zero(kw.get("q_offset", 0)) and _is_zero(kw.get("kv_offset", 0)))
         return None if exact_causal else stock(*args, **kw)
 
     return sdpa_mask
