@@ -202,7 +202,7 @@ def test_docstring_examples_run():
     assert doctest.testmod(attention).failed == 0
 
 
-def test_unpadded_hf_masks_swaps_the_sdpa_mask_only_for_an_all_ones_mask():
+def test_unpadded_hf_masks_swaps_the_sdpa_mask_only_for_an_all_ones_mask(monkeypatch):
     masking_utils = pytest.importorskip("transformers.masking_utils")
     from turbotrain.fusion.compile import unpadded_hf_masks
 
@@ -223,10 +223,15 @@ def test_unpadded_hf_masks_swaps_the_sdpa_mask_only_for_an_all_ones_mask():
         wide = dict(sliding, local_size=6)  # a window as long as the sequence: built, as eager transformers does
         assert swapped(**wide) is not None and torch.equal(swapped(**wide), stock(**wide))
         assert swapped(**dict(sliding, local_size=7)) is None  # longer than the sequence: causal, as eager skips it
+        # another thread's eager model with a padded batch, while the registry is swapped: its own mask
+        theirs = dict(exact, attention_mask=torch.tensor([[1] * 6, [1, 1, 1, 1, 0, 0]]))
+        assert swapped(**theirs) is not None and torch.equal(swapped(**theirs), stock(**theirs))
     assert registry["sdpa"] is stock
     from turbotrain.fusion.compile import _causal_skipping
 
     skip = _causal_skipping(lambda *args, **kw: "built by transformers")
+    assert skip(**exact) == "built by transformers"  # eager (another thread, a graph break): transformers decides
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # as while Dynamo traces the model
     assert skip(**exact) is None and skip(**dict(sliding, local_size=7)) is None
     for request in (dict(exact, allow_is_causal_skip=False),  # extra mask functions, packing, bidirectional
                     dict(exact, q_length=1),  # one query against six keys

@@ -167,7 +167,8 @@ def unpadded_hf_masks(kwargs: dict):
     mask function returns None when what it was asked for is exactly causal (no packing, no extra
     mask functions, no offsets, no window shorter than the sequence), which is what eager
     transformers does for such a batch. A padded batch, or any other mask, is built as transformers
-    builds it.
+    builds it, and so is every mask built outside Dynamo's tracing (another thread's model running
+    eagerly while the registry entry is swapped gets its own mask).
     """
     mask = kwargs.get("attention_mask")
     if not (isinstance(mask, torch.Tensor) and mask.dim() == 2 and bool(mask.all())):
@@ -201,6 +202,10 @@ def _causal_skipping(stock):
     """
 
     def sdpa_mask(*args, **kw):
+        if not torch.compiler.is_compiling():
+            # Eagerly transformers reads the mask itself. This also keeps another thread's model,
+            # which sees the registry swapped while the Engine's compiled call runs, on its own mask.
+            return stock(*args, **kw)
         window, keys = kw.get("local_size"), kw.get("kv_length")
         exact_causal = (not args and kw.get("allow_is_causal_skip", True) and isinstance(keys, int)
                         and kw.get("q_length") == keys and (window is None or keys < window)
