@@ -279,7 +279,7 @@ def test_compiled_hf_model_attends_causally_without_padding(padded, monkeypatch)
 
 @pytest.mark.parametrize("window", [64, 8], ids=["window-longer-than-the-sequence", "window-shorter"])
 def test_compiled_sliding_window_model_attends_causally_when_the_window_masks_nothing(window, monkeypatch):
-    """Mistral's window (4096 by default, like Gemma 2's and StarCoder2's) longer than the sequence
+    """Mistral's window (4096 by default) longer than the sequence
     masks nothing beyond the causal triangle: eager transformers then asks sdpa for is_causal, and
     so does the compiled Engine on an unpadded batch; a shorter window is built and passed as a mask."""
     transformers = pytest.importorskip("transformers")

@@ -132,7 +132,7 @@ def unpadded(n: int):
 @pytest.mark.parametrize("family", [f for f in FAMILIES if f not in ("opt", "roberta", "t5")])  # compiled dropout draws other masks
 def test_compile_on_unpadded_batches_trains_each_family_as_the_plain_loop_does(family):
     """On an unpadded batch the compiled Engine asks sdpa for is_causal instead of a materialised mask
-    (fusion/compile.py, unpadded_hf_masks), Mistral and Gemma 2 too: their windows are longer than T."""
+    (fusion/compile.py, unpadded_hf_masks), Mistral too: its window is longer than T."""
     torch._dynamo.reset()
     data = unpadded(STEPS)
     expected = plain_losses(family, data)

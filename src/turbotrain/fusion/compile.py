@@ -197,8 +197,8 @@ def _causal_skipping(stock):
     ``_ignore_causal_mask_sdpa``): the caller allows the skip (it does not when it adds mask
     functions, packing or a bidirectional pattern), queries and keys are the same positions (no
     offsets, as many queries as keys), and a sliding window or chunk (``local_size``) is longer than
-    the keys, so it masks nothing beyond the causal triangle (Mistral, Gemma 2, StarCoder2 and Phi-3
-    at a sequence shorter than their window).
+    the keys, so it masks nothing beyond the causal triangle (Mistral by default, any model
+    configured with a window at a sequence shorter than it).
     """
 
     def sdpa_mask(*args, **kw):
