@@ -245,6 +245,12 @@ def test_unpadded_hf_masks_swaps_the_sdpa_mask_only_for_an_all_ones_mask(monkeyp
         assert registry["sdpa"] is stock
     with unpadded_hf_masks({"input_ids": ids}):  # no mask: transformers decides (packed sequences, ...)
         assert registry["sdpa"] is stock
+    ones = torch.ones(2, 6, dtype=torch.long)
+    with unpadded_hf_masks({"input_ids": ids, "attention_mask": ones, "decoder_attention_mask": padded}):
+        assert registry["sdpa"] is stock  # the decoder's causal mask needs its padding
+    for unpadded in (ones, None):  # None: the decoder's mask is causal alone
+        with unpadded_hf_masks({"input_ids": ids, "attention_mask": ones, "decoder_attention_mask": unpadded}):
+            assert registry["sdpa"] is not stock
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["all-ones-mask", "padding-mask"])

@@ -82,7 +82,7 @@ def _side_effects_once():
     return torch._dynamo.config.patch(**{_ONCE: True})
 
 
-#: Reductions whose repeats shared_reductions() folds (the ones a backward repeats: bias gradients).
+#: Reductions whose repeats fold_repeated_reductions() folds (the ones a backward repeats: bias gradients).
 _REDUCTIONS = (("sum", "dim_IntList"), ("sum", "default"), ("mean", "dim"), ("amax", "default"), ("amin", "default"))
 
 
@@ -154,7 +154,8 @@ def _is_hf_model(model) -> bool:
 
 @contextlib.contextmanager
 def unpadded_hf_masks(kwargs: dict):
-    """While a Hugging Face model runs on ``kwargs``: if their ``attention_mask`` masks nothing (a
+    """While a Hugging Face model runs on ``kwargs``: if their ``attention_mask`` (and any other
+    ``*attention_mask``, such as an encoder-decoder's ``decoder_attention_mask``) masks nothing (a
     host-side check, once a step, as transformers' own eager check), its plain causal sdpa mask is
     left to ``scaled_dot_product_attention(is_causal=True)`` instead of being materialised.
 
@@ -170,8 +171,10 @@ def unpadded_hf_masks(kwargs: dict):
     builds it, and so is every mask built outside Dynamo's tracing (another thread's model running
     eagerly while the registry entry is swapped gets its own mask).
     """
-    mask = kwargs.get("attention_mask")
-    if not (isinstance(mask, torch.Tensor) and mask.dim() == 2 and bool(mask.all())):
+    # every padding mask the model may build from (an encoder-decoder's decoder_attention_mask too)
+    masks = [value for name, value in kwargs.items() if name.endswith("attention_mask") and value is not None]
+    if not isinstance(kwargs.get("attention_mask"), torch.Tensor) or not all(
+            isinstance(m, torch.Tensor) and m.dim() == 2 and bool(m.all()) for m in masks):
         yield
         return
     from transformers import masking_utils
