@@ -253,19 +253,9 @@ def test_unpadded_hf_masks_swaps_the_sdpa_mask_only_for_an_all_ones_mask(monkeyp
             assert registry["sdpa"] is not stock
 
 
-@pytest.mark.parametrize("padded", [False, True], ids=["all-ones-mask", "padding-mask"])
-def test_compiled_hf_model_attends_causally_without_padding(padded, monkeypatch):
-    """Under torch.compile transformers (torch < 2.14) materialises a 4-d causal mask from any mask,
-    in training (no cache) even without one; on an unpadded batch the Engine keeps sdpa's is_causal
-    path, as transformers takes eagerly, with the same loss."""
-    hf = pytest.importorskip("hf_models")
-    torch._dynamo.reset()
-    model = hf.build("llama")
-    model.config.use_cache = False  # training: no cache
-    batch = hf.batches("llama", 1)[0]
-    if not padded:
-        batch = {"input_ids": batch["input_ids"], "attention_mask": torch.ones_like(batch["input_ids"]),
-                 "labels": batch["input_ids"]}
+def compiled_attention_calls(model, batch, monkeypatch):
+    """One compiled Engine step of an HF ``model`` on ``batch`` with a spy on plain attention:
+    ({(no mask, is_causal)} over its calls, the step's loss, the model's own loss eagerly)."""
     with torch.no_grad():
         expected = model(**batch).loss
     calls = []
@@ -279,7 +269,25 @@ def test_compiled_hf_model_attends_causally_without_padding(padded, monkeypatch)
     engine = Engine(model, torch.optim.SGD(model.parameters(), lr=0.0), config=Config(
         device="cpu", compile=True, attention="plain"))
     loss = engine.step(batch).loss
-    assert calls and set(calls) == ({(False, False)} if padded else {(True, True)})
+    assert calls
+    return set(calls), loss, expected
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["all-ones-mask", "padding-mask"])
+def test_compiled_hf_model_attends_causally_without_padding(padded, monkeypatch):
+    """Under torch.compile transformers (torch < 2.14) materialises a 4-d causal mask from any mask,
+    in training (no cache) even without one; on an unpadded batch the Engine keeps sdpa's is_causal
+    path, as transformers takes eagerly, with the same loss."""
+    hf = pytest.importorskip("hf_models")
+    torch._dynamo.reset()
+    model = hf.build("llama")
+    model.config.use_cache = False  # training: no cache
+    batch = hf.batches("llama", 1)[0]
+    if not padded:
+        batch = {"input_ids": batch["input_ids"], "attention_mask": torch.ones_like(batch["input_ids"]),
+                 "labels": batch["input_ids"]}
+    calls, loss, expected = compiled_attention_calls(model, batch, monkeypatch)
+    assert calls == ({(False, False)} if padded else {(True, True)})
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=0)
 
 
@@ -296,18 +304,6 @@ def test_compiled_sliding_window_model_attends_causally_when_the_window_masks_no
         intermediate_size=96, max_position_embeddings=64, sliding_window=window, use_cache=False))
     ids = torch.randint(2, 128, (2, 24), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
-    with torch.no_grad():
-        expected = model(**batch).loss
-    calls = []
-    plain = attention.plain_attention
-
-    def spy(query, key, value, attn_mask=None, is_causal=False, *args):
-        calls.append((attn_mask is None, is_causal))
-        return plain(query, key, value, attn_mask, is_causal, *args)
-
-    monkeypatch.setattr(attention, "plain_attention", spy)
-    engine = Engine(model, torch.optim.SGD(model.parameters(), lr=0.0), config=Config(
-        device="cpu", compile=True, attention="plain"))
-    loss = engine.step(batch).loss
-    assert calls and set(calls) == ({(True, True)} if window > 24 else {(False, False)})
+    calls, loss, expected = compiled_attention_calls(model, batch, monkeypatch)
+    assert calls == ({(True, True)} if window > 24 else {(False, False)})
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=0)
