@@ -273,3 +273,27 @@ def test_tune_malloc_keeps_freed_buffers_mapped_in_the_running_process():
 
 def test_docstring_examples_run():
     assert doctest.testmod(hardware).failed == 0
+
+
+@pytest.mark.parametrize("environ, spinning", [
+    ({"OMP_WAIT_POLICY": "active"}, True), ({"OMP_WAIT_POLICY": " Active "}, True),
+    ({"OMP_WAIT_POLICY": "passive"}, False), ({}, False),
+    ({"GOMP_SPINCOUNT": "300000"}, False), ({"GOMP_SPINCOUNT": "301k"}, True), ({"GOMP_SPINCOUNT": "1M"}, True),
+    ({"GOMP_SPINCOUNT": "INFINITY"}, True), ({"GOMP_SPINCOUNT": "100"}, False), ({"GOMP_SPINCOUNT": "lots"}, False),
+    ({"KMP_BLOCKTIME": "1"}, False), ({"KMP_BLOCKTIME": "0"}, False), ({"KMP_BLOCKTIME": "500us"}, False),
+    ({"KMP_BLOCKTIME": "200"}, True), ({"KMP_BLOCKTIME": "2ms"}, True), ({"KMP_BLOCKTIME": "1s"}, True),
+    ({"KMP_BLOCKTIME": "infinite"}, True),
+])
+def test_spinning_omp_env_names_what_keeps_idle_threads_spinning(environ, spinning):
+    assert hardware.spinning_omp_env({**environ, "OMP_NUM_THREADS": "2"}) == (environ if spinning else {})
+
+
+def test_the_interleaved_rounds_refuse_spinning_idle_threads(tmp_path, monkeypatch):
+    # the one place every ladder (bench, compare, tune) starts its waiting workers
+    from turbotrain.bench.interleave import run_interleaved
+
+    monkeypatch.setenv("OMP_WAIT_POLICY", "active")
+    with pytest.raises(ConfigError, match="OMP_WAIT_POLICY=active keeps idle OpenMP threads spinning"):
+        run_interleaved({}, [1], tmp_path, 1.0)
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    assert run_interleaved({}, [1], tmp_path, 1.0) == {}

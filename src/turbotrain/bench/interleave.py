@@ -29,6 +29,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from ..errors import check_positive
+from ..hardware import check_idle_threads_sleep
 from .worker import WorkerSpec
 
 __all__ = ["round_order", "split_steps", "WorkerProcess", "run_interleaved"]
@@ -164,6 +165,7 @@ def run_interleaved(specs: dict[str, WorkerSpec], steps_per_round: list[int], wo
     last round's steps run for the rows ``more(results)`` names (the candidates not yet told apart);
     an empty list ends them. They add timings, never change a val loss.
     """
+    check_idle_threads_sleep()  # the waiting workers' threads must not spin on the timed row's cores
     rows = list(specs)
     results: dict[str, dict] = {}
     workers: dict[str, WorkerProcess] = {}

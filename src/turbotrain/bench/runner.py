@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ConfigError, check_positive
-from ..hardware import environment_report, print_environment, resolve_device
+from ..hardware import check_idle_threads_sleep, environment_report, print_environment, resolve_device
 from ..utils import check_output_dir, require
 from .ceiling import (FLOOR_METHOD, MANY_FAULTS, check_targets, floor_dtypes, floor_text, malloc_tuned, measure_floor,
                       target_lines)
@@ -211,6 +211,7 @@ def run_ladder(settings: LadderSettings, out_dir: str | Path, console=None, work
     kill) keeps what was measured.
     """
     out_dir = check_output_dir(out_dir)  # before any work: a bad --out costs a line, not a ladder
+    check_idle_threads_sleep()  # so does an environment that would spoil every timing
     console = make_console(console)
     require("matplotlib", "bench", "the benchmark report's charts")
 

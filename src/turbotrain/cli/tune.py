@@ -18,6 +18,7 @@ def _tune(args) -> int:
     from ..tune.dp_search import check_dp_settings
     from ..tune.search import TuneSettings, parse_duration, parse_memory, run_tune
     from ..errors import ConfigError
+    from ..hardware import check_idle_threads_sleep
     from ..utils import check_output_dir
     from .bench import parse_overrides
 
@@ -32,6 +33,7 @@ def _tune(args) -> int:
     budget = parse_duration(args.budget)
     max_memory = parse_memory(args.max_memory)
     check_output_dir(args.out)
+    check_idle_threads_sleep()  # before the workload is built: the search's timings could not be trusted
     overrides = parse_overrides(args.set)
     if args.quick:
         overrides = {**quick_overrides(args.workload), **overrides}

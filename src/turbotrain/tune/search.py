@@ -35,7 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import ConfigError, check_number
-from ..hardware import detect, measure_matmul_peak, measure_memory_bandwidth, resolve_device
+from ..hardware import (check_idle_threads_sleep, detect, measure_matmul_peak, measure_memory_bandwidth,
+                        resolve_device)
 from ..utils import check_output_dir
 from ..bench.configs import LOSS_TOLERANCE
 from ..bench.interleave import run_interleaved, split_steps
@@ -355,6 +356,7 @@ def run_tune(workload, settings: TuneSettings, out_dir, *, workload_spec: dict, 
     started = time.monotonic() if started is None else started
     say = say or logger.info
     out_dir = check_output_dir(out_dir)
+    check_idle_threads_sleep()  # before any of the budget is spent: the interleaved rounds could not be trusted
     data_parallel = settings.world_size > 1
     if data_parallel:  # refused before any of the budget is spent
         check_dp_settings(settings.world_size, settings.link, workload_spec, fit_json=settings.fit_json)
