@@ -297,3 +297,18 @@ def test_the_interleaved_rounds_refuse_spinning_idle_threads(tmp_path, monkeypat
         run_interleaved({}, [1], tmp_path, 1.0)
     monkeypatch.delenv("OMP_WAIT_POLICY")
     assert run_interleaved({}, [1], tmp_path, 1.0) == {}
+
+
+def test_turbotrain_env_says_when_idle_openmp_threads_spin(tmp_path, monkeypatch, capsys):
+    from turbotrain.cli import main
+
+    monkeypatch.setenv("TURBOTRAIN_CACHE", str(tmp_path))
+    fast_measures(monkeypatch)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert main(["env", "--device", "cpu"]) == 0
+    assert "OpenMP idle threads" not in capsys.readouterr().out
+    monkeypatch.setenv("OMP_WAIT_POLICY", "active")
+    assert main(["env", "--device", "cpu"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "OpenMP idle threads spin (OMP_WAIT_POLICY=active): turbotrain bench and tune refuse" in out
+    assert hardware.environment_report("cpu", dtypes=("fp32",))["spinning_omp_env"] == {"OMP_WAIT_POLICY": "active"}

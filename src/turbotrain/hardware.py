@@ -487,6 +487,7 @@ def environment_report(device: str = "auto", *, dtypes=("fp32", "bf16", "fp16"),
         "recommended_precision": precision,
         "recommended_precision_reason": reason,
         "malloc_env": malloc_env(),
+        "spinning_omp_env": spinning_omp_env(),
     }
 
 
@@ -513,3 +514,7 @@ def print_environment(report: dict, console=None) -> None:
             "keeps them mapped") if report.get("hardware", {}).get("device") == "cpu" else ""
     console.print("[bold]malloc settings[/] " + (" ".join(f"{k}={v}" for k, v in malloc.items())
                                                   or "glibc defaults (no MALLOC_* variables set)" + hint))
+    if spinning := report.get("spinning_omp_env"):
+        console.print("[bold]OpenMP idle threads[/] spin (" + " ".join(f"{k}={v}" for k, v in spinning.items())
+                      + "): turbotrain bench and tune refuse to run with this, since waiting workers would take "
+                        "the timed row's cores")
