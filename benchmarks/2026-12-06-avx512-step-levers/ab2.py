@@ -1,7 +1,9 @@
 """Two-process interleaved A/B of tt-fused-compile levers: each arm in its own worker, a round of steps each in turn,
 order alternating; per-round median ratio with a 95% bootstrap interval.
-usage: ab2.py WORKLOAD ROUNDS STEPS_PER_ROUND ARM_A ARM_B
-arms: base | merge | unfuse | chunkN (head chunk rows) | u20 (Inductor exp -> exp_u20) | bind (OMP_PROC_BIND) | active (OMP_WAIT_POLICY)"""
+usage: ab2.py WORKLOAD[@T][:padded] ROUNDS STEPS_PER_ROUND ARM_A ARM_B
+arms: base | merge | unfuse | chunkN (head chunk rows) | u20 (Inductor exp -> exp_u20) | bind (OMP_PROC_BIND) |
+      active (OMP_WAIT_POLICY) | plain / stock (Config(attention=...))
+:padded: HF batches right-padded, row r of a batch losing r/16 of its tail (labels -100 there)."""
 import sys, time, statistics, multiprocessing as mp
 def worker(arm, wl_name, conn):
     import os
@@ -28,10 +30,21 @@ def worker(arm, wl_name, conn):
         C.CppVecOverrides.exp = staticmethod(lambda x: f"{x}.exp_u20()")
     from turbotrain.bench.tt import EngineTrainer
     from turbotrain.workloads import get_workload
-    wl = get_workload(wl_name)
+    spec, _, pad = wl_name.partition(":")
+    name, _, T = spec.partition("@")
+    wl = get_workload(name, **({"T": int(T)} if T else {}))
     torch.manual_seed(0)
-    tr = EngineTrainer(wl, "cpu", precision="bf16-master", fuse=("linear_cross_entropy",), compile=True)
+    tr = EngineTrainer(wl, "cpu", precision="bf16-master", fuse=("linear_cross_entropy",), compile=True,
+                       attention=arm if arm in ("stock", "plain") else "auto")
+    def padded(b):
+        b = dict(b); m = b["attention_mask"].clone(); lab = b["labels"].clone(); n = m.shape[1]
+        for r in range(m.shape[0]):
+            keep = n - (r * n // 16); m[r, keep:] = 0; lab[r, keep:] = -100
+        b["attention_mask"] = m; b["labels"] = lab
+        return b
     it = wl.batches("train", seed=0)
+    if pad == "padded":
+        it = map(padded, it)
     losses = [float(tr.step(next(it))) for _ in range(3)]
     print(arm, "pass stats", dict(STATS), flush=True)
     conn.send("ready")
