@@ -190,3 +190,16 @@ def test_a_spinning_openmp_setting_is_refused_before_any_work(command, name, val
     line = _one_error_line(capfd, command)
     assert f"{name}={value} keeps idle OpenMP threads spinning" in line and fix in line, line
     assert not (tmp_path / "out").exists()
+
+
+def test_intel_openmps_default_blocktime_is_refused_too(tmp_path, no_work, capfd, monkeypatch):
+    # libiomp5 / libomp spin 200 ms after each parallel region unless KMP_BLOCKTIME says otherwise
+    from turbotrain import hardware
+
+    monkeypatch.setattr(hardware, "openmp_runtime", lambda: "intel")
+    monkeypatch.delenv("KMP_BLOCKTIME", raising=False)
+    assert main(["bench", "--quick", "--out", str(tmp_path / "out")]) == 2
+    line = _one_error_line(capfd, "bench")
+    assert "KMP_BLOCKTIME=unset (intel OpenMP's default, 200 ms)" in line and "env KMP_BLOCKTIME=1 turbotrain" in line
+    monkeypatch.setenv("KMP_BLOCKTIME", "1")
+    hardware.check_idle_threads_sleep()  # the fix it names

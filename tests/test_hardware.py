@@ -288,6 +288,21 @@ def test_spinning_omp_env_names_what_keeps_idle_threads_spinning(environ, spinni
     assert hardware.spinning_omp_env({**environ, "OMP_NUM_THREADS": "2"}) == (environ if spinning else {})
 
 
+@pytest.mark.parametrize("runtime, environ, spinning", [
+    ("intel", {}, {"KMP_BLOCKTIME": "unset (intel OpenMP's default, 200 ms)"}),
+    ("llvm", {}, {"KMP_BLOCKTIME": "unset (llvm OpenMP's default, 200 ms)"}),
+    ("intel", {"KMP_BLOCKTIME": "1"}, {}), ("gnu", {}, {}), (None, {}, {}),
+])
+def test_an_unset_blocktime_spins_under_intel_and_llvm_openmp(runtime, environ, spinning):
+    assert hardware.spinning_omp_env(environ, runtime=runtime) == spinning
+
+
+def test_openmp_runtime_names_the_one_torch_loaded():
+    if not os.path.exists("/proc/self/maps"):
+        pytest.skip("no /proc/self/maps on this OS")
+    assert hardware.openmp_runtime() in ("gnu", "intel", "llvm")  # torch's CPU build links one
+
+
 def test_the_interleaved_rounds_refuse_spinning_idle_threads(tmp_path, monkeypatch):
     # the one place every ladder (bench, compare, tune) starts its waiting workers
     from turbotrain.bench.interleave import run_interleaved

@@ -52,6 +52,7 @@ __all__ = [
     "environment_report",
     "malloc_env",
     "spinning_omp_env",
+    "openmp_runtime",
     "check_idle_threads_sleep",
     "TUNED_MALLOC_ENV",
     "tune_malloc",
@@ -428,16 +429,33 @@ def _block_ms(value: str) -> float | None:
     return float(number) * _BLOCK_UNITS[unit] if number.isdigit() and unit in _BLOCK_UNITS else None
 
 
-def spinning_omp_env(environ=None) -> dict[str, str]:
-    """The OpenMP settings in ``environ`` (os.environ) that keep a process's idle threads spinning for
-    more than about a millisecond after its last parallel region: ``OMP_WAIT_POLICY=active``,
-    ``GOMP_SPINCOUNT`` infinite or above libgomp's default of 300000, ``KMP_BLOCKTIME`` (Intel
-    OpenMP) infinite or above 1 ms. Values the runtimes would not parse are left to them.
+def openmp_runtime() -> str | None:
+    """The OpenMP runtime this process has loaded: 'gnu' (libgomp: torch's Linux wheels), 'intel'
+    (libiomp5), 'llvm' (libomp), or None (none loaded, or no /proc to tell)."""
+    try:
+        with open("/proc/self/maps") as f:
+            names = {line.rsplit("/", 1)[-1].strip() for line in f if "omp" in line}
+    except OSError:
+        return None
+    for prefix, runtime in (("libiomp5", "intel"), ("libomp.", "llvm"), ("libgomp", "gnu")):
+        if any(name.startswith(prefix) for name in names):
+            return runtime
+    return None
+
+
+def spinning_omp_env(environ=None, runtime: str | None = None) -> dict[str, str]:
+    """The OpenMP settings in ``environ`` that keep a process's idle threads spinning for more than
+    about a millisecond after its last parallel region: ``OMP_WAIT_POLICY=active``,
+    ``GOMP_SPINCOUNT`` infinite or above libgomp's default of 300000, ``KMP_BLOCKTIME`` (Intel and
+    LLVM OpenMP) infinite or above 1 ms, or unset where ``runtime`` is 'intel' or 'llvm' (their
+    default is 200 ms). Values the runtimes would not parse are left to them. Without ``environ``:
+    os.environ and the runtime this process has loaded (:func:`openmp_runtime`).
 
     >>> spinning_omp_env({"OMP_WAIT_POLICY": "ACTIVE", "KMP_BLOCKTIME": "1", "PATH": "/bin"})
     {'OMP_WAIT_POLICY': 'ACTIVE'}
     """
-    environ = os.environ if environ is None else environ
+    if environ is None:
+        environ, runtime = os.environ, openmp_runtime()
     found = {}
     if environ.get("OMP_WAIT_POLICY", "").strip().lower() == "active":
         found["OMP_WAIT_POLICY"] = environ["OMP_WAIT_POLICY"]
@@ -447,6 +465,8 @@ def spinning_omp_env(environ=None) -> dict[str, str]:
     block = _block_ms(environ.get("KMP_BLOCKTIME", ""))
     if block is not None and block > _KMP_MAX_BLOCK_MS:
         found["KMP_BLOCKTIME"] = environ["KMP_BLOCKTIME"]
+    elif "KMP_BLOCKTIME" not in environ and runtime in ("intel", "llvm"):
+        found["KMP_BLOCKTIME"] = f"unset ({runtime} OpenMP's default, 200 ms)"
     return found
 
 
