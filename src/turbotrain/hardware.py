@@ -412,21 +412,15 @@ _SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}  # GOMP_SPINC
 _BLOCK_UNITS = {"": 1.0, "ms": 1.0, "us": 1e-3, "s": 1e3}  # KMP_BLOCKTIME's units, in ms
 
 
-def _spins(value: str) -> float | None:
+def _quantity(value: str, units: dict) -> float | None:
+    """``value`` as a number with an optional unit from ``units`` (name -> multiplier), infinite as
+    math.inf, or None where it is neither (a value the runtime parses its own way)."""
     text = value.strip().lower()
     if text in ("infinite", "infinity"):
         return math.inf
-    number = text.rstrip("kmgt")
-    return int(number) * _SUFFIX[text[len(number):]] if number.isdigit() and len(text) - len(number) <= 1 else None
-
-
-def _block_ms(value: str) -> float | None:
-    text = value.strip().lower()
-    if text in ("infinite", "infinity"):
-        return math.inf
-    number = text.rstrip("mus")
+    number = text.rstrip("".join(units))
     unit = text[len(number):]
-    return float(number) * _BLOCK_UNITS[unit] if number.isdigit() and unit in _BLOCK_UNITS else None
+    return float(number) * units[unit] if number.isdigit() and unit in units else None
 
 
 def openmp_runtime() -> str | None:
@@ -459,10 +453,10 @@ def spinning_omp_env(environ=None, runtime: str | None = None) -> dict[str, str]
     found = {}
     if environ.get("OMP_WAIT_POLICY", "").strip().lower() == "active":
         found["OMP_WAIT_POLICY"] = environ["OMP_WAIT_POLICY"]
-    spins = _spins(environ.get("GOMP_SPINCOUNT", ""))
+    spins = _quantity(environ.get("GOMP_SPINCOUNT", ""), _SUFFIX)
     if spins is not None and spins > _GOMP_DEFAULT_SPINS:
         found["GOMP_SPINCOUNT"] = environ["GOMP_SPINCOUNT"]
-    block = _block_ms(environ.get("KMP_BLOCKTIME", ""))
+    block = _quantity(environ.get("KMP_BLOCKTIME", ""), _BLOCK_UNITS)
     if block is not None and block > _KMP_MAX_BLOCK_MS:
         found["KMP_BLOCKTIME"] = environ["KMP_BLOCKTIME"]
     elif "KMP_BLOCKTIME" not in environ and runtime in ("intel", "llvm"):
@@ -483,13 +477,13 @@ def check_idle_threads_sleep(environ=None) -> None:
     spinning = spinning_omp_env(environ)
     if not spinning:
         return
-    fixes = [f"-u {name}" for name in spinning if name != "KMP_BLOCKTIME"]
-    fix = (f"env {' '.join(fixes)} " if fixes else "env ") + ("KMP_BLOCKTIME=1 " if "KMP_BLOCKTIME" in spinning else "")
+    fix = " ".join(["env", *(f"-u {name}" for name in spinning if name != "KMP_BLOCKTIME"),
+                    *(["KMP_BLOCKTIME=1"] if "KMP_BLOCKTIME" in spinning else [])])
     settings = " ".join(f"{k}={v}" for k, v in spinning.items())
     raise ConfigError(
         f"{settings} keeps idle OpenMP threads spinning, and the interleaved ladder keeps a process per row "
         "waiting while another row is timed: their threads would take the timed row's cores (about 100x slower "
-        f"steps on 2 cores); run it with idle threads sleeping, e.g. `{fix}turbotrain ...`"
+        f"steps on 2 cores); run it with idle threads sleeping, e.g. `{fix} turbotrain ...`"
     )
 
 
