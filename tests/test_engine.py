@@ -180,6 +180,68 @@ def test_bf16_mixed_runs_softmax_and_layernorm_in_fp32():
     assert torch.equal(kept, ref)
 
 
+def test_keep_fp32_mode_casts_a_models_own_fp32_activations_as_autocast_would():
+    """A model held in bf16 that makes an FP32 activation itself (a norm fed x.to(norm.weight.dtype),
+    attention in FP32 on purpose) hands it to a bf16 Linear: without autocast the matmul fails on the
+    mixed dtypes; match_operands casts it as autocast would. FFTs have no bf16 CPU kernel: FP32."""
+    from turbotrain.precision.keep_fp32 import KeepFp32Mode
+
+    x, w = torch.randn(4, 8), torch.randn(3, 8, dtype=torch.bfloat16)
+    conv = torch.randn(3, 8, 2, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="dtype"), KeepFp32Mode():
+        nn.functional.linear(x, w)
+    with KeepFp32Mode(match_operands=True):
+        y = nn.functional.linear(x, w, w[:, 0])
+        z = x @ w.t()
+        c = nn.functional.conv1d(x.t()[None], conv)
+    assert torch.equal(y, nn.functional.linear(x.bfloat16(), w, w[:, 0]))
+    assert torch.equal(z, x.bfloat16() @ w.t())
+    assert c.dtype is torch.bfloat16
+    with KeepFp32Mode(match_operands=True):  # a layer computes in its weight's dtype: an FP32 layer stays FP32
+        kept = nn.functional.linear(x.bfloat16(), w.float())
+    assert kept.dtype is torch.float32
+    with KeepFp32Mode():
+        f = torch.fft.fft(x.bfloat16())
+    assert torch.equal(f, torch.fft.fft(x.bfloat16().float()))
+
+
+def test_bf16_master_trains_a_model_that_makes_fp32_activations():
+    """Mamba's pattern (its norm fed x.to(norm.weight.dtype), which turbotrain keeps FP32), attention
+    scores computed in FP32, an FFT token mixer and a fused Linear+GELU fed FP32: the bf16-master Engine
+    follows the FP32 loop within bf16's rounding (it raised a dtype error at the first Linear)."""
+
+    class Mixer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(32, 16)
+            self.norm = nn.LayerNorm(16)
+            self.proj = nn.Linear(16, 16)
+            self.fc = nn.Linear(16, 32)
+            self.act = nn.GELU()
+            self.head = nn.Linear(32, 32)
+
+        def forward(self, ids):
+            h = self.emb(ids)
+            h = self.proj(self.norm(h.to(self.norm.weight.dtype)))
+            scores = torch.softmax(h.float() @ h.float().transpose(1, 2), -1)
+            h = h + scores @ h.float()
+            h = h + torch.fft.fft(h, dim=1).real
+            return self.head(self.act(self.fc(h.float())))
+
+    torch.manual_seed(0)
+    data = [(torch.randint(0, 32, (4, 8)), torch.randint(0, 32, (4, 8))) for _ in range(4)]
+    loss_fn = lambda out, t: nn.functional.cross_entropy(out.float().flatten(0, 1), t.flatten())  # noqa: E731
+    losses = {}
+    for precision in ("fp32", "bf16-master"):
+        torch.manual_seed(1)
+        model = Mixer()
+        engine = Engine(model, torch.optim.AdamW(model.parameters(), lr=1e-2), loss_fn,
+                        config=Config(device="cpu", precision=precision, fuse=True))
+        losses[precision] = [float(engine.step(b).loss) for b in data]
+        assert [s.pattern for s in engine.fusion_report.fused] == ["linear_act"]
+    torch.testing.assert_close(torch.tensor(losses["bf16-master"]), torch.tensor(losses["fp32"]), rtol=2e-2, atol=0)
+
+
 def test_auto_precision_logs_its_choice(caplog):
     with caplog.at_level("INFO", logger="turbotrain"):
         engine = make_engine(Config(device="cpu", precision="auto"))

@@ -139,3 +139,30 @@ def test_compile_on_unpadded_batches_trains_each_family_as_the_plain_loop_does(f
     losses, _, engine = engine_losses(family, data, Config(device="cpu", fuse=True, compile=True))
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=2e-5, atol=0)
     assert engine.step(data[0]).recompiles == 0
+
+
+#: Families whose own code makes FP32 activations inside a model held in bf16: Mamba feeds its norm
+#: ``x.to(norm.weight.dtype)`` (turbotrain keeps norm weights FP32) and the next Linear gets FP32; FNet
+#: mixes tokens with an FFT, which has no bf16 CPU kernel. Neither takes an attention mask.
+FP32_ACTIVATIONS = {
+    "mamba": ("MambaConfig", "MambaForCausalLM", dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
+                                                      state_size=8, pad_token_id=0)),
+    "fnet": ("FNetConfig", "FNetForMaskedLM", dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
+                                                   intermediate_size=96, max_position_embeddings=64,
+                                                   hidden_dropout_prob=0.0, pad_token_id=0)),
+}
+
+
+@pytest.mark.parametrize("compile", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("family", FP32_ACTIVATIONS)
+def test_bf16_master_trains_families_that_make_fp32_activations(family, compile, monkeypatch):
+    """Each raised a dtype error at its first Linear (or FFT) under bf16-master; now the Engine casts
+    those activations as autocast would and follows the FP32 plain loop within bf16's rounding."""
+    config_class, model_class, kwargs = FP32_ACTIVATIONS[family]
+    monkeypatch.setitem(FAMILIES, family, (config_class, model_class, kwargs, set()))
+    torch._dynamo.reset()
+    data = [{"input_ids": b["input_ids"], "labels": b["labels"]} for b in batches(STEPS)]
+    expected = plain_losses(family, data)
+    losses, _, _ = engine_losses(family, data, Config(device="cpu", precision="bf16-master", fuse=True,
+                                                      compile=compile))
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=2e-3, atol=0)

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from ..batch import IGNORE_INDEX, Batch, LossContract, is_causal_model
 from ..utils import leaves_no_trace
-from .modules import _autocast_dtype
+from .modules import _compute_dtype
 from .ops.linear_cross_entropy import linear_cross_entropy
 
 __all__ = ["FusedLossHead", "LossHeadResult", "install_loss_head", "loss_head_refusal", "LOSS_TOLERANCES"]
@@ -91,9 +91,9 @@ class FusedLossHead(nn.Module):
         self._targets = None
         if self.shift:
             targets = shift_left(targets)
-        dtype = _autocast_dtype(x.device.type)
+        dtype = _compute_dtype(x, self.weight)
         w, b = self.weight, self.bias
-        if dtype is not None:  # custom ops are not cast by autocast, so do what it would have done
+        if dtype is not None:  # custom ops are not cast by autocast (or the mode): do what they would
             x, w = x.to(dtype), w.to(dtype)
             b = b.to(dtype) if b is not None else None
         self._loss = linear_cross_entropy(x, w, b, targets, IGNORE_INDEX, self.chunk_rows)

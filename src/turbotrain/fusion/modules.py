@@ -32,6 +32,16 @@ def _autocast_dtype(device_type: str) -> Optional[torch.dtype]:
     return None
 
 
+def _compute_dtype(x: Tensor, weight: Tensor) -> Optional[torch.dtype]:
+    """The dtype a fused layer casts its operands to: autocast's when it is on; else the weight's when
+    ``x`` is FP32 and the weight bf16/fp16 (a model held in low precision fed an FP32 activation it
+    made itself: precision/keep_fp32.py casts a stock layer's input the same way); else None."""
+    dtype = _autocast_dtype(x.device.type)
+    if dtype is None and x.dtype is torch.float32 and weight.dtype in (torch.bfloat16, torch.float16):
+        return weight.dtype
+    return dtype
+
+
 def _cast(dtype, *tensors):
     return tuple(t.to(dtype) if t is not None and dtype is not None else t for t in tensors)
 
@@ -46,7 +56,7 @@ class FusedLinearAct(nn.Module):
         self.bias = linear.bias
 
     def forward(self, x: Tensor) -> Tensor:
-        x, w, b = _cast(_autocast_dtype(x.device.type), x, self.weight, self.bias)
+        x, w, b = _cast(_compute_dtype(x, self.weight), x, self.weight, self.bias)
         return linear_act(x, w, b, self.act)
 
     def extra_repr(self) -> str:

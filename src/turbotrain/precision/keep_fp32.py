@@ -4,19 +4,31 @@ torch.autocast's CPU op lists run softmax and layer_norm in bf16, and a model he
 '-master' modes) has no autocast at all, so turbotrain intercepts the numerically fragile ops
 itself with a TorchFunctionMode: their low-precision inputs are upcast, the op runs in FP32, and
 normalisations hand their result back in the input dtype (so the next matmul stays fast) while
-losses and reductions return FP32.
+losses, reductions and FFTs (which have no bf16 CPU kernel; autocast upcasts them too) return FP32.
+
+A model held in low precision also meets FP32 activations its own code made: a norm fed
+``x.to(self.norm.weight.dtype)`` (turbotrain keeps norm weights FP32), attention computed in FP32
+on purpose, an FFT. Autocast would cast such an input at the next matmul; without autocast the
+matmul would fail on the mixed dtypes. With ``match_operands`` the mode does autocast's cast there:
+a layer's input goes to its weight's dtype, and the FP32 operand of a product of two tensors goes
+to the other's low dtype.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 
 from ..plan import NORM_MODULE_TYPES
 
-__all__ = ["KeepFp32Mode", "KEEP_FP32_MODULES", "RETURN_INPUT_DTYPE", "RETURN_FP32"]
+__all__ = ["KeepFp32Mode", "KEEP_FP32_MODULES", "RETURN_INPUT_DTYPE", "RETURN_FP32", "WEIGHT_OPS", "PRODUCT_OPS"]
+
+logger = logging.getLogger(__name__)
 
 _LOW = (torch.float16, torch.bfloat16)
 
@@ -31,6 +43,20 @@ RETURN_FP32 = {
     F.cross_entropy, F.nll_loss, F.mse_loss, F.l1_loss, F.smooth_l1_loss, F.kl_div,
     F.binary_cross_entropy_with_logits, torch.logsumexp, torch.Tensor.logsumexp,
     torch.norm, torch.linalg.vector_norm,
+    torch.fft.fft, torch.fft.ifft, torch.fft.fft2, torch.fft.ifft2, torch.fft.fftn, torch.fft.ifftn,
+    torch.fft.rfft, torch.fft.irfft, torch.fft.rfft2, torch.fft.irfft2, torch.fft.rfftn, torch.fft.irfftn,
+    torch.fft.hfft, torch.fft.ihfft,
+}
+#: Layers called as ``op(input, weight, ...)``: with match_operands, an input of another float dtype
+#: is cast to the weight's (and so is the bias).
+WEIGHT_OPS = {
+    F.linear, F.bilinear, F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d,
+}
+#: Products of tensors: with match_operands, FP32 operands are cast to the low dtype of the others.
+PRODUCT_OPS = {
+    torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__, torch.mm,
+    torch.Tensor.mm, torch.bmm, torch.Tensor.bmm, torch.addmm, torch.Tensor.addmm, torch.baddbmm,
+    torch.Tensor.baddbmm, torch.einsum, F.scaled_dot_product_attention,
 }
 #: Modules whose parameters stay FP32 when the model is held in low precision.
 KEEP_FP32_MODULES = NORM_MODULE_TYPES
@@ -53,19 +79,71 @@ def _low_dtype_of(args) -> torch.dtype | None:
     return None
 
 
+def _cast_to(value, dtype: torch.dtype):
+    if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != dtype:
+        return value.to(dtype)
+    if isinstance(value, list):
+        return [_cast_to(v, dtype) for v in value]
+    if isinstance(value, tuple):
+        return tuple([_cast_to(v, dtype) for v in value])
+    return value
+
+
+_reported: set[str] = set()
+
+
+def _matched_dtype(func, args, kwargs) -> torch.dtype | None:
+    """The dtype autocast would run ``func`` in when its floating operands mix FP32 with one low
+    dtype (WEIGHT_OPS: the weight's; PRODUCT_OPS: the low one); None when they do not mix."""
+    dtypes = {t.dtype for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.is_floating_point()}
+    if len(dtypes) != 2 or torch.float32 not in dtypes:
+        return None
+    low = (dtypes - {torch.float32}).pop()
+    if low not in _LOW:
+        return None
+    if func in WEIGHT_OPS:
+        weight = args[1] if len(args) > 1 else kwargs.get("weight")
+        if not isinstance(weight, torch.Tensor):
+            return None
+        target = weight.dtype
+    else:
+        target = low
+    name = getattr(func, "__name__", str(func))
+    if name not in _reported and not torch.compiler.is_compiling():
+        _reported.add(name)
+        logger.info("%s got float32 and %s operands (the model made an FP32 activation); it runs in %s, "
+                    "as autocast would run it", name, str(low)[6:], str(target)[6:])
+    return target
+
+
 class KeepFp32Mode(TorchFunctionMode):
-    """Run the ops in RETURN_INPUT_DTYPE / RETURN_FP32 in FP32 while active.
+    """Run the ops in RETURN_INPUT_DTYPE / RETURN_FP32 in FP32 while active; with ``match_operands``
+    (a model held in low precision, no autocast), cast mixed FP32 / low-precision operands of
+    WEIGHT_OPS and PRODUCT_OPS the way autocast would.
 
     >>> x = torch.randn(4, 8, dtype=torch.bfloat16)
     >>> with KeepFp32Mode():
     ...     y = torch.softmax(x, dim=-1)
     >>> y.dtype
     torch.bfloat16
+    >>> w = torch.randn(3, 8, dtype=torch.bfloat16)
+    >>> with KeepFp32Mode(match_operands=True):
+    ...     z = torch.nn.functional.linear(x.float(), w)
+    >>> z.dtype
+    torch.bfloat16
     """
+
+    def __init__(self, match_operands: bool = False):
+        super().__init__()
+        self.match_operands = match_operands
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in RETURN_INPUT_DTYPE:
+        if self.match_operands and (func in WEIGHT_OPS or func in PRODUCT_OPS):
+            target = _matched_dtype(func, args, kwargs)
+            if target is not None:
+                return func(*_cast_to(args, target), **{k: _cast_to(v, target) for k, v in kwargs.items()})
+        elif func in RETURN_INPUT_DTYPE:
             low = _low_dtype_of(args)
             if low is not None:
                 out = func(*_upcast(args), **{k: _upcast(v) for k, v in kwargs.items()})

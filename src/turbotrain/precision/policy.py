@@ -5,8 +5,9 @@ bf16/fp16-mixed  torch.autocast picks per-op dtypes; weights stay FP32 (cast aga
 bf16/fp16-master the model itself is held in bf16/fp16 (no per-op casts in forward or backward);
                the optimizer updates FP32 master copies, which are copied back after each step, so
                small updates are not rounded away (pure bf16 training drifts without them).
-In every low-precision mode KeepFp32Mode keeps softmax, norms, losses and reductions in FP32 and
-the norm layers' own weights stay FP32.
+In every low-precision mode KeepFp32Mode keeps softmax, norms, losses, reductions and FFTs in FP32 and
+the norm layers' own weights stay FP32; in the master modes it also casts the FP32 activations a
+model makes itself to the low dtype at the next matmul, as autocast would.
 """
 
 from __future__ import annotations
@@ -184,7 +185,7 @@ class Precision(Transform):
         if self.autocast_enabled:
             stack.enter_context(torch.autocast(self.device.type, dtype=self.dtype))
         if self.dtype is not None:
-            stack.enter_context(KeepFp32Mode())
+            stack.enter_context(KeepFp32Mode(match_operands=self.master))
         return stack
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
