@@ -203,3 +203,17 @@ def test_intel_openmps_default_blocktime_is_refused_too(tmp_path, no_work, capfd
     assert "KMP_BLOCKTIME=unset (intel OpenMP's default, 200 ms)" in line and "env KMP_BLOCKTIME=1 turbotrain" in line
     monkeypatch.setenv("KMP_BLOCKTIME", "1")
     hardware.check_idle_threads_sleep()  # the fix it names
+
+
+@pytest.mark.parametrize("family, message", [("dbrx", "DbrxForCausalLM cannot be built at this shape"),
+                                             ("funnel", "transformers refused the family's config at this shape")])
+def test_an_hf_family_that_cannot_be_built_at_the_shape_is_one_line(family, message, tmp_path, capfd, monkeypatch):
+    """A family whose default config does not scale to the ladder's shape: the family's own error, in
+    one line, before any measurement or worker (it was a traceback from inside transformers)."""
+    pytest.importorskip("transformers")
+    import turbotrain.bench.runner as runner
+
+    monkeypatch.setattr(runner, "environment_report", _tripwire)
+    monkeypatch.setattr(subprocess, "Popen", _tripwire)
+    assert main(["bench", "--quick", "--workload", f"hf:{family}", "--out", str(tmp_path / "o")]) == 2
+    assert message in _one_error_line(capfd, "bench")

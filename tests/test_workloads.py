@@ -445,6 +445,45 @@ def test_any_transformers_family_is_a_workload_at_the_shared_shape(model_type, o
     loss.backward()
 
 
+@pytest.mark.parametrize("model_type, sizes", [
+    ("gptj", {"rotary_dim": 4}),  # GPT-J's rotary part, 64 of a 256-wide head: a quarter of the shape's 16
+    ("deepseek_v3", {"qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "head_dim": 8, "kv_lora_rank": 16}),
+    ("cwm", {"bos_token_id": 259 - 1}),  # its bos id lies outside the small vocabulary and may not be None
+    ("gpt_neo", {"attention_layers": ["global"]}),  # a per-layer list the class checks against the depth
+])
+def test_hf_families_with_per_head_sizes_and_strict_token_ids_build_and_train(model_type, sizes):
+    """Sizes tied to the head width (GPT-J's partial rotary, DeepSeek's latent attention) follow the
+    shape's head (they raised shape errors at the default sizes), a token id the config class does not
+    let be None takes an id inside the vocabulary, and a per-layer list keeps its first n_layer."""
+    pytest.importorskip("transformers")
+    wl = get_workload(f"hf:{model_type}", **dict(TEXT, vocab_size=259))
+    model = wl.build_model()
+    assert {k: getattr(model.config, k) for k in sizes} == sizes
+    loss = wl.loss(model, next(wl.batches()))
+    assert math.isfinite(float(loss))
+    loss.backward()
+
+
+def test_a_multimodal_transformers_type_is_refused_naming_its_language_model():
+    pytest.importorskip("transformers")
+    with pytest.raises(UnknownWorkloadError, match="multimodal.*hf:gemma3_text"):
+        get_workload("hf:gemma3", **TEXT)
+
+
+def test_an_hf_model_too_big_for_the_machine_is_refused_before_it_is_built(monkeypatch):
+    """A family's config can size parts hf:<model_type> does not scale (BLT's hash embeddings: 4.6e9
+    parameters at any shape, and the OS killed the process building it): the workload counts the
+    parameters on the meta device and refuses, naming the largest tensor, before allocating any."""
+    pytest.importorskip("transformers")
+    from turbotrain.workloads import hf
+
+    monkeypatch.setattr(hf, "machine_memory", lambda: 2**20)
+    with pytest.raises(ConfigError, match=r"hf:qwen2 has .* parameters .*model.embed_tokens.weight.* 0 GiB"):
+        get_workload("hf:qwen2", **TEXT)
+    monkeypatch.setattr(hf, "machine_memory", lambda: 2**34)
+    assert get_workload("hf:qwen2", **TEXT).name == "hf:qwen2"
+
+
 @pytest.mark.parametrize("name, match", [("hf:no_such_family", "no causal- or masked-LM model of type"),
                                          ("hf:t5", "no causal- or masked-LM"), ("hf:bart", "encoder-decoder"), ("hf:", "unknown workload")])
 def test_a_transformers_type_that_is_not_a_language_model_workload_is_refused(name, match):

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..errors import UnknownWorkloadError
+from ..errors import ConfigError, UnknownWorkloadError
 from ..utils import require
 from .base import Workload
 from .bert import check_mask_prob, mask_tokens
@@ -174,12 +174,98 @@ def auto_objective(model_type: str) -> str:
         f"use a model_type such as llama, qwen2, mistral, gemma, gpt2, gpt_neox, opt, bert or roberta")
 
 
+def refuse_multimodal(model_type: str, default) -> None:
+    """A config with a ``text_config`` beside vision or audio ones is a multimodal model: hf:<model_type>
+    trains text-only language models, so refuse it, naming its language model's own type where that is one."""
+    text = getattr(default, "text_config", None)
+    others = [k for k in (getattr(default, "sub_configs", None) or {}) if k != "text_config"]
+    if text is None or not others:
+        return
+    from transformers.models.auto import modeling_auto as auto
+
+    own = getattr(text, "model_type", None)
+    lm = own in auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or own in auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES
+    hint = f"; benchmark its language model as hf:{own}" if lm and own != model_type else ""
+    raise UnknownWorkloadError(f"{model_type!r} is a multimodal model (text_config with {', '.join(others)}); "
+                               f"hf:<model_type> trains text-only language models{hint}")
+
+
+#: Bytes a parameter needs to train at the least: FP32 weight and gradient, AdamW's two moments.
+TRAIN_BYTES_PER_PARAM = 16
+
+
+def machine_memory() -> int:
+    """This machine's physical memory in bytes."""
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_fits(name: str, build, memory_bytes: int | None = None) -> int:
+    """Count ``build()``'s parameters on the meta device (nothing allocated) and refuse a model whose
+    training state alone would not fit in this machine's memory: a family's config can size parts that
+    hf:<model_type> does not scale (hash embeddings, vision towers), and the OS would kill the run.
+    Returns the count (0 where the model cannot be built on the meta device: the real build reports)."""
+    try:
+        with torch.device("meta"):
+            params = list(build().named_parameters())
+    except Exception:  # noqa: BLE001 - the real build raises the family's own error
+        return 0
+    count = sum(p.numel() for _, p in params)
+    memory = memory_bytes if memory_bytes is not None else machine_memory()
+    need = count * TRAIN_BYTES_PER_PARAM
+    if need > 0.8 * memory:
+        biggest, tensor = max(params, key=lambda kv: kv[1].numel())
+        raise ConfigError(
+            f"{name} has {count:.3g} parameters at this shape ({tensor.numel():.3g} in {biggest}: the family's config "
+            f"sizes parts that hf:<model_type> does not scale), so training needs at least {need / 2**30:.0f} GiB "
+            f"({TRAIN_BYTES_PER_PARAM} bytes a parameter) and this machine has {memory / 2**30:.0f} GiB; benchmark "
+            "a model you size yourself with turbotrain.bench.compare(model_fn, batches)")
+    return count
+
+
+def _one_line(e: Exception) -> str:
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text[:240]}{'...' if len(text) > 240 else ''}"
+
+
+def _even(x: float) -> int:
+    return max(2, round(x / 2) * 2)
+
+
+def _latent_attention(defaults: dict, head: int, width_ratio: float) -> dict:
+    """Multi-head latent attention's sizes (DeepSeek V2/V3 and kin) at the shape's head width: the
+    no-rope part of a query/key head is ``head``, the rope and value parts keep their ratio to it (the
+    family's ``head_dim`` is the rope part), and the low-rank projections scale with the width."""
+    nope = defaults["qk_nope_head_dim"]
+    out = {"qk_nope_head_dim": head}
+    for name in ("qk_rope_head_dim", "v_head_dim"):
+        if isinstance(defaults.get(name), int):
+            out[name] = _even(defaults[name] * head / nope)
+    if "head_dim" in defaults and "qk_rope_head_dim" in out:
+        out["head_dim"] = out["qk_rope_head_dim"]
+    for name in ("kv_lora_rank", "q_lora_rank"):
+        if isinstance(defaults.get(name), int):
+            out[name] = max(16, round(defaults[name] * width_ratio / 16) * 16)
+    return out
+
+
+def _may_be_none(config, name: str) -> bool:
+    """Whether the config class lets field ``name`` be None (a bare ``int`` annotation does not)."""
+    for cls in type(config).__mro__:
+        annotation = getattr(cls, "__annotations__", {}).get(name)
+        if annotation is not None:
+            return annotation not in (int, "int")
+    return True
+
+
 def auto_config(model_type: str, s: HFSettings):
     """The family's own config at the workload's shape: width, depth, heads (as many key/value heads as
     query heads), vocabulary, positions; the MLP at the family's default width-to-MLP ratio; no
     dropout, no KV cache; token ids that fall outside the small vocabulary unset."""
     tf = _transformers(f"{AUTO_PREFIX}{model_type}")
     default = tf.AutoConfig.for_model(model_type)
+    refuse_multimodal(model_type, default)
     defaults = default.to_dict()
     alias = dict(getattr(type(default), "attribute_map", {}) or {})
 
@@ -191,11 +277,17 @@ def auto_config(model_type: str, s: HFSettings):
     names = set(defaults) | set(alias)
     if "num_key_value_heads" in names:
         kwargs[key("num_key_value_heads")] = s.n_head
-    if "head_dim" in names:
-        kwargs[key("head_dim")] = s.d // s.n_head
+    head = s.d // s.n_head
+    width = getattr(default, key("hidden_size"), None)
+    if isinstance(defaults.get("qk_nope_head_dim"), int):
+        kwargs.update(_latent_attention(defaults, head, s.d / width if isinstance(width, int) and width > 0 else 1.0))
+    elif "head_dim" in names:
+        kwargs[key("head_dim")] = head
+    heads = getattr(default, key("num_attention_heads"), None)
+    if isinstance(defaults.get("rotary_dim"), int) and isinstance(width, int) and isinstance(heads, int) and heads > 0:
+        kwargs["rotary_dim"] = _even(defaults["rotary_dim"] * head / (width // heads))  # GPT-J, CodeGen: partial rotary
     if "max_position_embeddings" in names:
         kwargs[key("max_position_embeddings")] = s.T + 2  # roberta's positions start after its padding id
-    width = getattr(default, key("hidden_size"), None)
     for name in _MLP_WIDTH_KEYS:
         mlp = defaults.get(name)
         if isinstance(mlp, int) and isinstance(width, int) and width > 0:
@@ -207,22 +299,42 @@ def auto_config(model_type: str, s: HFSettings):
     for name in _TOKEN_ID_KEYS:
         value = getattr(default, name, None)
         if isinstance(value, int) and value >= s.vocab_size:
-            kwargs[name] = 0 if name == "decoder_start_token_id" else None
+            kwargs[name] = 0 if name == "decoder_start_token_id" else None if _may_be_none(default, name) \
+                else s.vocab_size - 1
         elif isinstance(value, (list, tuple)):
             kwargs[name] = [v for v in value if v < s.vocab_size] or None
-    return tf.AutoConfig.for_model(model_type, **kwargs)
+    try:
+        return tf.AutoConfig.for_model(model_type, **kwargs)
+    except Exception:
+        # A per-layer list the class does not derive from the depth (Zamba's layer_types, GPT-Neo's
+        # attention layers) must have n_layer entries: take its first n_layer, the pattern kept.
+        layers = getattr(default, key("num_hidden_layers"), None)
+        per_layer = {name: value[:s.n_layer] for name, value in defaults.items()
+                     if isinstance(value, list) and isinstance(layers, int) and len(value) == layers > s.n_layer}
+        if not per_layer:
+            raise
+        return tf.AutoConfig.for_model(model_type, **kwargs, **per_layer)
 
 
 def make_auto(model_type: str, settings: HFAutoSettings | None = None) -> Workload:
     """Any transformers language model by ``model_type`` (``--workload hf:qwen2``), built from its own
     config at this workload's shape (:func:`auto_config`) and trained with its own ``labels=`` loss:
     causal-LM batches, or BERT's masked-LM batches for a family with a masked-LM head. SDPA attention
-    where the family has it; where it does not, the model's own attention, and the description says so."""
+    where the family has it; where it does not, the model's own attention, and the description says so.
+    Multimodal families (:func:`refuse_multimodal`) and models too big for this machine
+    (:func:`check_fits`) are refused before anything is allocated."""
     s = settings or HFAutoSettings()
     name = f"{AUTO_PREFIX}{model_type}"
     objective = auto_objective(model_type)
     tf = _transformers(name)
-    config = auto_config(model_type, s)
+    try:
+        config = auto_config(model_type, s)
+    except (UnknownWorkloadError, ConfigError):
+        raise
+    except Exception as e:  # noqa: BLE001 - transformers' own validation, in one line
+        raise ConfigError(f"{name}: transformers refused the family's config at this shape ({_one_line(e)}); "
+                          "its config needs settings hf:<model_type> does not scale: benchmark it with "
+                          "turbotrain.bench.compare(model_fn, batches) and a config you write") from e
     if getattr(config, "is_encoder_decoder", False):
         raise UnknownWorkloadError(f"{model_type!r} is an encoder-decoder model; hf:<model_type> trains decoder-only "
                                    "(causal) and encoder-only (masked) language models")
@@ -230,6 +342,13 @@ def make_auto(model_type: str, settings: HFAutoSettings | None = None) -> Worklo
     model_class = auto_class._model_mapping[type(config)]
     attention = "sdpa" if getattr(model_class, "_supports_sdpa", False) else "eager"
     config._attn_implementation = attention
+    if not check_fits(name, lambda: model_class(config)):
+        try:  # not buildable on the meta device: build it once for real, so its own error is one line here
+            model_class(config)
+        except Exception as e:  # noqa: BLE001
+            raise ConfigError(f"{name}: {model_class.__name__} cannot be built at this shape ({_one_line(e)}); "
+                              "benchmark it with turbotrain.bench.compare(model_fn, batches) and a config you "
+                              "write") from e
     masked = _masked_lm(s.mask_prob) if objective == "masked" else None
     settings_out = {**asdict(s), "model_type": model_type, "objective": objective, "attention": attention,
                     "model_class": model_class.__name__}
