@@ -164,6 +164,19 @@ def test_step_tensor_peak_is_the_high_water_of_the_step_own_allocations():
     assert step_tensor_peak(lambda: kept.append(torch.empty(100, 100))) == 40_000
 
 
+def test_live_tensor_bytes_passes_over_a_leftover_vmap_tensor():
+    """A vmap BatchedTensor is typed as a plain tensor but has no storage: one left reachable (HF Mamba's
+    compiled step left some) made the scan raise and the ladder mark torch-compile-step failed."""
+    from turbotrain.memory.measure import live_tensor_bytes
+
+    kept = []
+    torch.vmap(lambda x: kept.append(x) or x * 2)(torch.randn(3, 4))
+    before = live_tensor_bytes()
+    extra = torch.zeros(250_000)
+    assert live_tensor_bytes() - before == 1_000_000
+    del extra, kept
+
+
 def test_live_tensor_bytes_counts_each_storage_once():
     from turbotrain.memory.measure import live_tensor_bytes
 

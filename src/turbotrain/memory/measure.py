@@ -115,7 +115,10 @@ def saved_tensor_bytes(model: nn.Module, loss_fn, batch) -> int:
 
     def pack(t):
         if t.layout == torch.strided:
-            key = _storage_key(t)
+            try:
+                key = _storage_key(t)
+            except (NotImplementedError, RuntimeError):  # saved inside a vmap: no storage of its own
+                return t
             if key not in excluded:
                 saved[key] = t.untyped_storage().nbytes()
         return t
@@ -144,7 +147,12 @@ def live_tensor_bytes(device: str = "cpu") -> int:
         # plain tensors and parameters only: a subclass either wraps plain tensors the scan finds
         # anyway (DTensor's local shard) or has no real storage (the compiler's FakeTensors)
         if type(obj) in _PLAIN and obj.device.type == device and obj.layout == torch.strided:
-            storages[_storage_key(obj)] = obj.untyped_storage().nbytes()
+            try:
+                storages[_storage_key(obj)] = obj.untyped_storage().nbytes()
+            except (NotImplementedError, RuntimeError):
+                # a plain-typed wrapper with no storage of its own (a vmap BatchedTensor a compiled
+                # model's trace left behind): what it wraps is a plain tensor the scan finds
+                continue
     return sum(storages.values())
 
 
