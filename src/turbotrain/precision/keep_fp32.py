@@ -62,14 +62,21 @@ PRODUCT_OPS = {
 KEEP_FP32_MODULES = NORM_MODULE_TYPES
 
 
-def _upcast(value):
-    if isinstance(value, torch.Tensor) and value.dtype in _LOW:
-        return value.float()
+def _cast_tensors(value, dtype: torch.dtype, only_low: bool):
+    """``value`` (a tensor, or a list/tuple holding some) with its floating tensors cast to ``dtype``;
+    with ``only_low``, only its bf16/fp16 ones."""
+    if isinstance(value, torch.Tensor):
+        cast = value.dtype in _LOW if only_low else value.is_floating_point() and value.dtype != dtype
+        return value.to(dtype) if cast else value
     if isinstance(value, list):
-        return [_upcast(v) for v in value]
+        return [_cast_tensors(v, dtype, only_low) for v in value]
     if isinstance(value, tuple):  # a list comprehension, not a generator: Dynamo traces it inline
-        return tuple([_upcast(v) for v in value])
+        return tuple([_cast_tensors(v, dtype, only_low) for v in value])
     return value
+
+
+def _upcast(value):
+    return _cast_tensors(value, torch.float32, only_low=True)
 
 
 def _low_dtype_of(args) -> torch.dtype | None:
@@ -77,16 +84,6 @@ def _low_dtype_of(args) -> torch.dtype | None:
         if isinstance(a, torch.Tensor) and a.is_floating_point():
             return a.dtype if a.dtype in _LOW else None
     return None
-
-
-def _cast_to(value, dtype: torch.dtype):
-    if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != dtype:
-        return value.to(dtype)
-    if isinstance(value, list):
-        return [_cast_to(v, dtype) for v in value]
-    if isinstance(value, tuple):
-        return tuple([_cast_to(v, dtype) for v in value])
-    return value
 
 
 _reported: set[str] = set()
@@ -142,7 +139,8 @@ class KeepFp32Mode(TorchFunctionMode):
         if self.match_operands and (func in WEIGHT_OPS or func in PRODUCT_OPS):
             target = _matched_dtype(func, args, kwargs)
             if target is not None:
-                return func(*_cast_to(args, target), **{k: _cast_to(v, target) for k, v in kwargs.items()})
+                return func(*_cast_tensors(args, target, only_low=False),
+                            **{k: _cast_tensors(v, target, only_low=False) for k, v in kwargs.items()})
         elif func in RETURN_INPUT_DTYPE:
             low = _low_dtype_of(args)
             if low is not None:
