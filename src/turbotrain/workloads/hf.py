@@ -261,8 +261,10 @@ def _may_be_none(config, name: str) -> bool:
 
 def auto_config(model_type: str, s: HFSettings):
     """The family's own config at the workload's shape: width, depth, heads (as many key/value heads as
-    query heads), vocabulary, positions; the MLP at the family's default width-to-MLP ratio; no
-    dropout, no KV cache; token ids that fall outside the small vocabulary unset."""
+    query heads), vocabulary, positions; the MLP at the family's default width-to-MLP ratio; sizes tied
+    to the head width (partial rotary, latent attention) in the family's ratios; no dropout, no KV
+    cache; token ids that fall outside the small vocabulary unset (the last id where the class refuses
+    None); a per-layer list the class refuses at this depth cut to n_layer."""
     tf = _transformers(f"{AUTO_PREFIX}{model_type}")
     default = tf.AutoConfig.for_model(model_type)
     refuse_multimodal(model_type, default)
