@@ -312,6 +312,8 @@ def test_bad_arguments():
     model = tiny_model()
     with pytest.raises(ConfigError, match="torch.optim.Optimizer"):
         Engine(model, "adam", F.cross_entropy)
+    with pytest.raises(ConfigError, match=r"third argument, which is loss_fn.*config=turbotrain.Config"):
+        Engine(model, torch.optim.AdamW(model.parameters()), Config(device="cpu"))
     engine = make_engine(Config(device="cpu"))
     with pytest.raises(ConfigError, match="inputs, targets"):
         engine.step((torch.randn(3, 16), torch.zeros(3), torch.zeros(3)))

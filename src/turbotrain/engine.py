@@ -139,6 +139,10 @@ class Engine:
         if not isinstance(optimizer, torch.optim.Optimizer) and not callable(optimizer):
             raise ConfigError(f"optimizer must be a torch.optim.Optimizer or a factory taking the parameters, "
                               f"got {type(optimizer).__name__}")
+        if isinstance(loss_fn, Config):
+            raise ConfigError("a Config was passed as the third argument, which is loss_fn; "
+                              "write Engine(model, optimizer, config=turbotrain.Config(...)) "
+                              "(and loss_fn=... if the model does not compute its own loss)")
         if config is None:
             config = Config()
         elif not isinstance(config, Config):
