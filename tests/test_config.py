@@ -4,6 +4,7 @@ import torch
 import pytest
 
 from turbotrain import Config, ConfigError, DataParallelConfig, LossScaleConfig
+from turbotrain.config import FUSION_PATTERNS
 
 
 def test_defaults_are_plain_fp32():
@@ -32,9 +33,12 @@ def test_invalid_values_name_the_valid_choices(kwargs, fragment):
 
 def test_fuse_and_data_parallel_are_normalised():
     cfg = Config(fuse=True, data_parallel=True, seq_buckets=(128, 64, 128))
-    assert "qkv" in cfg.fuse and isinstance(cfg.data_parallel, DataParallelConfig)
+    assert cfg.fuse is True and isinstance(cfg.data_parallel, DataParallelConfig)
     assert cfg.seq_buckets == (64, 128)
     assert Config(fuse="qkv").fuse == ("qkv",)
+    assert Config(fuse="all").fuse == FUSION_PATTERNS
+    assert Config(fuse=False).fuse == () and Config(fuse=None).fuse == ()
+    assert Config.from_dict(Config(fuse=True).to_dict()).fuse is True
 
 
 def test_loss_scale_bounds_validated():

@@ -236,7 +236,7 @@ def test_bf16_master_trains_a_model_that_makes_fp32_activations():
         torch.manual_seed(1)
         model = Mixer()
         engine = Engine(model, torch.optim.AdamW(model.parameters(), lr=1e-2), loss_fn,
-                        config=Config(device="cpu", precision=precision, fuse=True))
+                        config=Config(device="cpu", precision=precision, fuse="all"))
         losses[precision] = [float(engine.step(b).loss) for b in data]
         assert [s.pattern for s in engine.fusion_report.fused] == ["linear_act"]
     torch.testing.assert_close(torch.tensor(losses["bf16-master"]), torch.tensor(losses["fp32"]), rtol=2e-2, atol=0)

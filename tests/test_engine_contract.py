@@ -368,7 +368,7 @@ class DropoutNormNet(nn.Module):
         return self.head(self.norm(h.transpose(1, 2)).transpose(1, 2))
 
 
-@pytest.mark.parametrize("config", [Config(device="cpu", fuse=True), Config(device="cpu", keep_fp32_head=True)],
+@pytest.mark.parametrize("config", [Config(device="cpu", fuse="all"), Config(device="cpu", keep_fp32_head=True)],
                          ids=["fuse", "keep_fp32_head"])
 def test_set_up_draws_no_random_numbers_and_moves_no_running_statistics(config):
     """The forwards set-up runs (finding the head, probing, verifying) leave the run as a plain loop

@@ -412,3 +412,23 @@ def test_report_lists_errors_and_renders():
     console = Console(record=True, width=120)
     console.print(report)
     assert "linear_act" in console.export_text()
+
+
+def test_fuse_true_resolves_to_the_patterns_that_pay_on_each_device():
+    """Config(fuse=True): every pattern for an eager step on a GPU (the Triton kernels), the loss head
+    alone on a CPU and under compile, saying what it left out; a tuple is taken as given."""
+    import doctest
+
+    from turbotrain.config import FUSION_PATTERNS
+    from turbotrain.fusion import transform
+    from turbotrain.fusion.transform import patterns_for
+
+    assert doctest.testmod(transform).failed == 0
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert patterns_for(True, cuda, compiled=False) == (FUSION_PATTERNS, None)
+    for device, compiled, where in ((cuda, True, "under torch.compile"), (cpu, True, "under torch.compile"),
+                                    (cpu, False, "on a CPU")):
+        patterns, left_out = patterns_for(True, device, compiled)
+        assert patterns == ("linear_cross_entropy",)
+        assert left_out.startswith(f"fuse=True {where}: linear_cross_entropy only") and "fuse='all'" in left_out
+    assert patterns_for(FUSION_PATTERNS, cpu, compiled=True) == (FUSION_PATTERNS, None)

@@ -14,7 +14,7 @@ VOCAB, T, B, STEPS = 128, 24, 4, 4
 _SHAPE = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
 _DECODER = dict(_SHAPE, intermediate_size=96, num_key_value_heads=2, max_position_embeddings=64)
 
-#: family -> (config class, model class, config kwargs, what fuse=True must fuse; "lce" is the loss head)
+#: family -> (config class, model class, config kwargs, what fuse='all' must fuse; "lce" is the loss head)
 FAMILIES = {
     "mistral": ("MistralConfig", "MistralForCausalLM", _DECODER, {"qkv", "swiglu", "lce"}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(_DECODER, head_dim=16), {"qkv", "swiglu", "lce"}),
@@ -79,12 +79,27 @@ def engine_losses(family: str, data, config: Config):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_fuse_true_trains_each_family_as_the_plain_loop_does(family):
+def test_fuse_all_trains_each_family_as_the_plain_loop_does(family):
     data = batches(STEPS)
     expected = plain_losses(family, data)
-    losses, fused, _ = engine_losses(family, data, Config(device="cpu", fuse=True))
+    losses, fused, _ = engine_losses(family, data, Config(device="cpu", fuse="all"))
     assert fused == FAMILIES[family][3]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=2e-6, atol=0)
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_fuse_true_on_a_cpu_fuses_the_loss_head_alone_and_says_why(compile):
+    """fuse=True is the patterns that pay: on a CPU (and under compile anywhere) the loss head alone;
+    the others measured slower there, and the Engine says which it left out."""
+    torch._dynamo.reset()
+    data = batches(2)
+    expected = plain_losses("mistral", data)
+    losses, fused, engine = engine_losses("mistral", data, Config(device="cpu", fuse=True, compile=compile))
+    assert fused == {"lce"}
+    text = engine.describe()
+    assert "linear_cross_entropy only; linear_act, qkv, layernorm_gelu, swiglu left out" in text
+    assert "Config(fuse='all')" in text
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=2e-5, atol=0)
 
 
 @pytest.mark.slow
@@ -94,7 +109,7 @@ def test_fuse_and_compile_train_each_family_as_the_plain_loop_does(family, check
     torch._dynamo.reset()
     data = batches(STEPS)
     expected = plain_losses(family, data)
-    losses, _, engine = engine_losses(family, data, Config(device="cpu", fuse=True, compile=True, checkpoint=checkpoint))
+    losses, _, engine = engine_losses(family, data, Config(device="cpu", fuse="all", compile=True, checkpoint=checkpoint))
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=2e-5, atol=0)
     assert engine.step(data[0]).recompiles == 0
 
@@ -163,6 +178,6 @@ def test_bf16_master_trains_families_that_make_fp32_activations(family, compile,
     torch._dynamo.reset()
     data = [{"input_ids": b["input_ids"], "labels": b["labels"]} for b in batches(STEPS)]
     expected = plain_losses(family, data)
-    losses, _, _ = engine_losses(family, data, Config(device="cpu", precision="bf16-master", fuse=True,
+    losses, _, _ = engine_losses(family, data, Config(device="cpu", precision="bf16-master", fuse="all",
                                                       compile=compile))
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=2e-3, atol=0)

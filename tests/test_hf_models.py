@@ -11,7 +11,7 @@ from turbotrain.memory import checkpointed_blocks
 
 from hf_models import FAMILIES, batches, build, transformers, unpadded_row
 
-#: What Config(fuse=True) fuses in each family (README lists the same). GPT-2's attention and MLP
+#: What Config(fuse='all') fuses in each family (README lists the same). GPT-2's attention and MLP
 #: projections are transformers' Conv1D, not nn.Linear, so only its head's loss is fused.
 EXPECTED_FUSED = {
     "llama": {"qkv", "swiglu", "linear_cross_entropy"},
@@ -50,10 +50,10 @@ def test_the_models_own_loss_trains_and_low_precision_stays_within_1pct_of_fp32(
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_fuse_true_fuses_every_family_it_lists_and_keeps_the_loss(family):
+def test_fuse_all_fuses_every_family_it_lists_and_keeps_the_loss(family):
     data = batches(family, 20)
     _, ref = train(family, Config(device="cpu", precision="bf16-master"), 20, data=data)
-    engine, losses = train(family, Config(device="cpu", precision="bf16-master", fuse=True), 20, data=data)
+    engine, losses = train(family, Config(device="cpu", precision="bf16-master", fuse="all"), 20, data=data)
     assert fused_patterns(engine) >= EXPECTED_FUSED[family], engine.describe()
     assert abs(losses[-1] - ref[-1]) <= 0.01 * ref[-1] + 0.02
     # the fused model saves in the stock layout: its state_dict loads into the plain HF model
@@ -114,7 +114,7 @@ def test_gemma2s_soft_capped_logits_keep_their_own_loss():
                                     max_position_embeddings=64)
     torch.manual_seed(0)
     model = transformers.Gemma2ForCausalLM(cfg)
-    engine = Engine(model, torch.optim.AdamW(model.parameters(), lr=2e-3), config=Config(device="cpu", fuse=True))
+    engine = Engine(model, torch.optim.AdamW(model.parameters(), lr=2e-3), config=Config(device="cpu", fuse="all"))
     engine.step(batches("llama", 1)[0])
     head = engine._transform("fusion").loss_head
     assert not head.fused and "log-softmax" in head.reason, head.reason

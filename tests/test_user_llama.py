@@ -1,6 +1,6 @@
 """A Llama written the way Meta's reference code writes one (an RMSNorm class, rotary embeddings as
 complex numbers, a FeedForward that calls F.silu, the loss in a user function), trained through the
-Engine against the plain loop: the same losses step by step in fp32, and the sites fuse=True finds
+Engine against the plain loop: the same losses step by step in fp32, and the sites fuse='all' finds
 in a model whose names and activations turbotrain has never seen."""
 
 import copy
@@ -125,9 +125,9 @@ def engine_losses(model, config):
     return [float(engine.step(b).loss) for b in batches()], engine
 
 
-def test_fuse_true_finds_every_site_and_trains_as_the_plain_loop(stock):
+def test_fuse_all_finds_every_site_and_trains_as_the_plain_loop(stock):
     model, expected = stock
-    losses, engine = engine_losses(model, Config(device="cpu", fuse=True))
+    losses, engine = engine_losses(model, Config(device="cpu", fuse="all"))
     fused = sorted((s.path, s.pattern) for s in engine.fusion_report.fused)
     assert fused == [(f"layers.{i}.{path}", pattern) for i in range(LAYERS)
                      for path, pattern in (("attention", "qkv"), ("feed_forward", "swiglu"))]
@@ -141,6 +141,6 @@ def test_fuse_true_finds_every_site_and_trains_as_the_plain_loop(stock):
 def test_fuse_and_compile_train_as_the_plain_loop(stock, checkpoint):
     torch._dynamo.reset()
     model, expected = stock
-    losses, engine = engine_losses(model, Config(device="cpu", fuse=True, compile=True, checkpoint=checkpoint))
+    losses, engine = engine_losses(model, Config(device="cpu", fuse="all", compile=True, checkpoint=checkpoint))
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=2e-5, atol=0)
     assert engine.step(batches()[0]).recompiles == 0

@@ -46,8 +46,10 @@ class Config:
     """Micro-batches per optimizer step; gradients are communicated once per step."""
     clip_grad_norm: float | None = None
     """Clip the global gradient L2 norm to this value (after unscaling), or None."""
-    fuse: bool | tuple[str, ...] = False
-    """True for every fusion pattern, a tuple of names from FUSION_PATTERNS, or False."""
+    fuse: bool | str | tuple[str, ...] = False
+    """True for the patterns that pay on the run's device and mode (on a CPU, or under compile, the
+    linear+cross-entropy head alone: fusion.transform.patterns_for, which logs what it left out and
+    why), 'all' for every pattern, a tuple of names from FUSION_PATTERNS, or False."""
     compile: bool = False
     """Run the model through torch.compile (with sequence-length bucketing)."""
     attention: str = "auto"
@@ -174,8 +176,12 @@ def _known_fields(cls, d, what: str) -> dict:
     return dict(d)
 
 
-def _normalise_fuse(value) -> tuple[str, ...]:
+def _normalise_fuse(value) -> bool | tuple[str, ...]:
+    """True stays True (resolved against the device and compile when the Engine is built); 'all' is
+    every pattern; a name or a list of names becomes a tuple; False and None become ()."""
     if value is True:
+        return True
+    if value == "all":
         return FUSION_PATTERNS
     if value is False or value is None:
         return ()
@@ -183,7 +189,7 @@ def _normalise_fuse(value) -> tuple[str, ...]:
         value = (value,)
     if not isinstance(value, (tuple, list)):
         raise ConfigError(
-            f"fuse={value!r} is not valid; use True, False or a tuple of pattern names from: "
+            f"fuse={value!r} is not valid; use True, 'all', False or a tuple of pattern names from: "
             + ", ".join(repr(p) for p in FUSION_PATTERNS)
         )
     patterns = tuple(value)

@@ -77,9 +77,9 @@ def build_transforms(config: Config, device: torch.device) -> list[Transform]:
     """The Config's transforms in the order the Engine applies them."""
     out: list[Transform] = []
     if config.fuse:
-        from .fusion.transform import FusionTransform
+        from .fusion.transform import FusionTransform, patterns_for
 
-        out.append(FusionTransform(config.fuse))
+        out.append(FusionTransform(*patterns_for(config.fuse, device, config.compile)))
     if config.checkpoint:
         from .memory.transform import CheckpointTransform
 

@@ -148,7 +148,7 @@ ABLATION_CONFIGS = {
                                               f"bf16-master + the {pattern} fusion alone")
     for pattern in ("qkv", "linear_cross_entropy", "linear_act", "layernorm_gelu")
 }
-ABLATION_CONFIGS["tt-fuse-all"] = ({"precision": "bf16-master", "fuse": True},
+ABLATION_CONFIGS["tt-fuse-all"] = ({"precision": "bf16-master", "fuse": "all"},
                                    "bf16-master + every fusion pattern")
 
 

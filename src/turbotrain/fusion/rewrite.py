@@ -35,7 +35,7 @@ __all__ = ["fuse", "FusionReport", "FusedSite", "RolledBackSite", "ExcludedSite"
            "TOLERANCES", "sqnr"]
 
 #: Patterns fuse() accepts but leaves to others: the linear+cross-entropy head is the Engine's loss
-#: path (fusion/loss_head.py), so ``Config(fuse=True)`` can name every pattern.
+#: path (fusion/loss_head.py), so ``Config(fuse='all')`` can name every pattern.
 _NOT_FUSED_HERE = ("linear_cross_entropy",)
 
 #: How close a fused site must be to the stock one, per verification dtype.

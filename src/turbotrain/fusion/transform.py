@@ -3,15 +3,50 @@
 from __future__ import annotations
 
 import contextlib
-import logging
+from typing import Optional
 
+import torch
 from torch import nn
 
+from ..config import FUSION_PATTERNS
 from ..plan import ApplyContext, ModelPlan, Transform
 
-__all__ = ["FusionTransform"]
+__all__ = ["FusionTransform", "patterns_for"]
 
-logger = logging.getLogger(__name__)
+#: Why ``fuse=True`` fuses only the linear+cross-entropy head, by whether the step is compiled.
+#: Measured on gpt (benchmarks/2026-12-02-gpt-ladder.md, fusion ablation, bf16 eager on a CPU;
+#: benchmarks/2026-12-07-fuse-true.md, under compile).
+_LEFT_OUT_WHY = {
+    True: "under torch.compile Inductor fuses the elementwise work around each GEMM itself, a hand-fused op is "
+          "opaque to it and the QKV slices break the graph (gpt on a CPU: every pattern ran 0.80x of the "
+          "head alone)",
+    False: "on a CPU one QKV GEMM is no faster than three and PyTorch's own elementwise kernels beat the fused "
+           "epilogues (gpt in bf16: QKV 0.93x, Linear+GELU 0.95x of the unfused step)",
+}
+
+
+def patterns_for(fuse, device: torch.device, compiled: bool) -> tuple[tuple[str, ...], Optional[str]]:
+    """The fusion patterns ``Config(fuse=...)`` asks for on ``device``, and what ``fuse=True`` left out.
+
+    A tuple is taken as given. True is every pattern for an eager step on a GPU (the Triton kernels)
+    and the linear+cross-entropy head alone elsewhere, where the other patterns measured slower
+    than leaving the step to PyTorch or Inductor; the second value says so (None when nothing was
+    left out).
+
+    >>> patterns_for(True, torch.device("cpu"), compiled=False)[0]
+    ('linear_cross_entropy',)
+    >>> patterns_for(("qkv",), torch.device("cpu"), compiled=True)
+    (('qkv',), None)
+    """
+    if fuse is not True:
+        return tuple(fuse), None
+    if device.type == "cuda" and not compiled:
+        return FUSION_PATTERNS, None
+    kept = ("linear_cross_entropy",)
+    left = ", ".join(p for p in FUSION_PATTERNS if p not in kept)
+    where = "under torch.compile" if compiled else "on a CPU"
+    return kept, (f"fuse=True {where}: linear_cross_entropy only; {left} left out ({_LEFT_OUT_WHY[compiled]}); "
+                  "Config(fuse='all') or a tuple of pattern names fuses them anyway")
 
 
 class FusionTransform(Transform):
@@ -21,8 +56,10 @@ class FusionTransform(Transform):
     name = "fusion"
     needs_example = True
 
-    def __init__(self, patterns: tuple[str, ...]):
+    def __init__(self, patterns: tuple[str, ...], left_out: Optional[str] = None):
         self.patterns = patterns
+        self.left_out = left_out
+        """What ``fuse=True`` left out on this device and why (patterns_for), or None."""
         self.report = None
         self.loss_head = None
         """LossHeadResult of the linear+cross-entropy head (None when that pattern is off)."""
@@ -50,15 +87,15 @@ class FusionTransform(Transform):
                 if fused is not None:
                     plan.loss_head = plan.head = fused
         plan.record_norms(model)  # fused LayerNorm+act modules hold norm parameters too
-        logger.info("%s", self.describe())
 
     def describe(self) -> str:
+        note = "" if self.left_out is None else "\n" + self.left_out
         if self.report is None:
-            return "fusion (not applied yet: it is applied at the first step, from that batch)"
+            return "fusion (not applied yet: it is applied at the first step, from that batch)" + note
         extra = ()
         if self.loss_head is not None:
             lh = self.loss_head
             detail = (f"{'causal shift, ' if lh.shift else ''}loss rel err {lh.loss_rel_error:.1e}, "
                       f"head grad sqnr {lh.grad_sqnr_db:.1f} dB" if lh.fused else lh.reason)
             extra = ((lh.path, "linear_cross_entropy", "fused" if lh.fused else "rolled back", detail),)
-        return self.report.format(extra)
+        return self.report.format(extra) + note

@@ -67,7 +67,9 @@ def recommend(report, config=None, head_refusal: str = "") -> list[Recommendatio
     """
     share = report.shares
     precision = getattr(config, "precision", "fp32")
-    fuse = tuple(getattr(config, "fuse", ()) or ())
+    fuse = getattr(config, "fuse", ()) or ()
+    # fuse=True always includes the linear+cross-entropy head (fusion.transform.patterns_for)
+    fuse = ("linear_cross_entropy",) if fuse is True else tuple(fuse)
     compiled = bool(getattr(config, "compile", False))
     recs: list[Recommendation] = []
 
@@ -84,11 +86,11 @@ def recommend(report, config=None, head_refusal: str = "") -> list[Recommendatio
             "Config(fuse=('linear_cross_entropy',))"))
     calls = sum(r.calls for r in report.ops if r.category == "elementwise")
     if share["elementwise"] >= THRESHOLDS["elementwise"] and calls >= THRESHOLDS["elementwise_calls"]:
-        if not fuse or not compiled:
+        if not compiled:
             recs.append(Recommendation(
                 f"{calls:.0f} elementwise calls per step take {share['elementwise']:.0%} of it",
-                "fuse the elementwise chains (bias+activation, norms) or compile the model",
-                "Config(fuse=True)" if not fuse else "Config(compile=True)"))
+                "compile the step: Inductor fuses the elementwise chains (bias+activation, norms) into single loops",
+                "Config(compile=True)"))
     if share["comm"] >= THRESHOLDS["comm"]:
         recs.append(Recommendation(
             f"communication takes {share['comm']:.0%} of the step (not hidden behind backward)",
