@@ -115,7 +115,7 @@ def recommend(report, config=None, head_refusal: str = "") -> list[Recommendatio
     if share["optimizer"] >= THRESHOLDS["optimizer"]:
         recs.append(Recommendation(
             f"the optimizer step takes {share['optimizer']:.0%} of the step",
-            "use a fused or foreach optimizer (torch.optim.AdamW(..., fused=True) on GPU, foreach=True on CPU)",
+            "use the fused optimizer: one kernel over parameters, gradients and both moments (CPU and GPU since torch 2.4)",
             "torch.optim.AdamW(fused=True)"))
     faults = getattr(report, "page_faults_per_step", None)
     if faults and faults * FAULT_SECONDS >= THRESHOLDS["page_faults"] * report.step_time_s:
