@@ -63,6 +63,17 @@ class Trace:
     def calls_of(self, module: nn.Module) -> list[Call]:
         return self._by_module.get(id(module), [])
 
+    def release(self) -> None:
+        """Drop every recorded value and link. A call and its parent refer to each other, so a trace
+        is a reference cycle that holds every module's inputs and outputs (with their autograd graphs:
+        all the activations of one batch) until Python's cyclic collector runs, which a training loop
+        may not make it do for a long time (HF Llama at B=8, T=256: ~540 MB)."""
+        for call in self.calls:
+            call.parent, call.children, call.output, call.saved = None, [], None, None
+            call.args, call.kwargs = (), {}
+        self.calls = []
+        self._by_module = {}
+
 
 def check_example(example) -> tuple[tuple, dict]:
     """``example`` as (args, kwargs), or a FusionError that says what was expected."""
@@ -84,7 +95,8 @@ def probe(model: nn.Module, example) -> Trace:
 
     The model is run in its current mode; the random state and the buffers are restored afterwards,
     so the probe leaves no trace in the model or in a seeded run. Pass a small example (one short
-    batch): the record holds every module's inputs and outputs until sites are found.
+    batch): the record holds every module's inputs and outputs until sites are found; call
+    ``Trace.release()`` when done with it.
     """
     args, kwargs = check_example(example)
     calls: list[Call] = []

@@ -272,7 +272,16 @@ def fuse(model: nn.Module, patterns=FUSION_PATTERNS, verify: bool = True, dtype:
     trace = probe(model, example) if example is not None and patterns else None
     report = FusionReport(verified_dtype=dtype if verify else None,
                           found_by="names" if example is None else "data flow")
-    for site in find_sites(model, patterns, trace):
+    try:
+        _fuse_sites(model, find_sites(model, patterns, trace), report, filter_fn, dtype, verify)
+    finally:
+        if trace is not None:
+            trace.release()
+    return report
+
+
+def _fuse_sites(model, sites, report, filter_fn, dtype, verify) -> None:
+    for site in sites:
         if filter_fn is not None and not filter_fn(model.get_submodule(site.path), site.path):
             report.excluded.append(ExcludedSite(site.path, site.pattern))
             continue
@@ -292,4 +301,3 @@ def fuse(model: nn.Module, patterns=FUSION_PATTERNS, verify: bool = True, dtype:
         site.install(new_unit)
         report.param_map.update(pmap)
         report.fused.append(result)
-    return report

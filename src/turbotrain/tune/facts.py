@@ -133,6 +133,7 @@ def _find_sites(build_model, batch, device, has_loss_fn: bool) -> tuple[dict, di
             sites[site.pattern] += 1
         else:
             problems.setdefault(site.pattern, site.problem)
+    trace.release()
     head = find_head(model, lambda: model(*b.args, **b.kwargs))
     if head is not None:
         sites["linear_cross_entropy"] = 1
