@@ -264,3 +264,17 @@ def test_no_lone_forward_is_run_for_the_advice_when_ranks_profile_together(monke
     monkeypatch.setattr(loss_head, "loss_head_refusal", lambda *a, **k: pytest.fail("ran a forward on one rank"))
     report = profile(engine, lm_batches(), steps=1, warmup=1, peak_flops=PEAK_FLOPS, peak_bandwidth=PEAK_BW)
     assert not any("not advised" in n or "checking it failed" in n for n in report.notes), report.notes
+
+
+def test_the_profile_command_profiles_the_ladders_optimizer_and_fuse_true(tmp_path, capsys):
+    """``turbotrain profile`` steps the ladder's AdamW (fused), so its figures are of the step the
+    bench times, and --fuse is Config(fuse=True) as the Engine resolves it."""
+    import json
+
+    from turbotrain.cli import main
+
+    out = tmp_path / "prof"
+    assert main(["-q", "profile", "--workload", "mlp", "--steps", "2", "--warmup", "1", "--fuse", "--out", str(out)]) == 0
+    ops = {op["name"] for op in json.loads((out / "profile.json").read_text())["ops"]}
+    assert "aten::_fused_adamw_" in ops
+    assert (out / "report.html").exists() and "Profile on cpu: 2 steps" in capsys.readouterr().out

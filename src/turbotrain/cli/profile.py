@@ -11,6 +11,7 @@ def _profile(args) -> int:
     import torch
 
     from .. import Config, Engine
+    from ..bench.configs import OPTIMIZER_IMPLEMENTATION
     from ..profile import profile
     from ..utils import check_output_dir
     from ..workloads import get_workload  # lazy: the registry imports every workload's model code
@@ -19,7 +20,8 @@ def _profile(args) -> int:
     workload = get_workload(args.workload)
     torch.manual_seed(args.seed)
     model = workload.build_model()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    # the ladder's AdamW implementation (fused), so the profile is of the step the bench times
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, **OPTIMIZER_IMPLEMENTATION)
     config = Config(precision=args.precision, fuse=args.fuse, compile=args.compile, checkpoint=args.checkpoint,
                     device=args.device)
     engine = Engine(model, optimizer, workload.loss_fn, config=config)
@@ -39,7 +41,8 @@ def add_parsers(subparsers, parents=()) -> None:
     p = subparsers.add_parser("profile", parents=parents, help="where a training step's time goes, and what to turn on")
     p.add_argument("--workload", required=True)
     p.add_argument("--precision", default="fp32", choices=PRECISIONS)
-    p.add_argument("--fuse", action="store_true", help="Config(fuse=True)")
+    p.add_argument("--fuse", action="store_true",
+                   help="Config(fuse=True): the fusion patterns that pay on this device (the loss head alone on a CPU)")
     p.add_argument("--compile", action="store_true", help="Config(compile=True)")
     p.add_argument("--checkpoint", choices=("blocks", "selective"), default=None)
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
