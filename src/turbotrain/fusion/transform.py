@@ -17,11 +17,10 @@ __all__ = ["FusionTransform", "patterns_for"]
 #: Measured on gpt (benchmarks/2026-12-02-gpt-ladder.md, fusion ablation, bf16 eager on a CPU;
 #: benchmarks/2026-12-07-fuse-true.md, under compile).
 _LEFT_OUT_WHY = {
-    True: "under torch.compile Inductor fuses the elementwise work around each GEMM itself, a hand-fused op is "
-          "opaque to it and the QKV slices break the graph (gpt on a CPU: every pattern ran 0.83x of the "
-          "head alone)",
-    False: "on a CPU one QKV GEMM is no faster than three and PyTorch's own elementwise kernels beat the fused "
-           "epilogues (gpt in bf16: QKV 0.93x, Linear+GELU 0.95x of the unfused step)",
+    True: "Inductor fuses the elementwise work around each GEMM itself, a hand-fused op is opaque to it and "
+          "the QKV slices break the graph; gpt on a CPU: every pattern 0.83x of the head alone",
+    False: "one QKV GEMM is no faster than three and PyTorch's own elementwise kernels beat the fused "
+           "epilogues; gpt in bf16: QKV 0.93x, Linear+GELU 0.95x of the unfused step",
 }
 
 
