@@ -290,8 +290,10 @@ class Engine:
         head = self.plan.loss_head
         batch = Batch(args, kwargs, targets, kind=kind)
         if head is not None:
-            from .fusion.loss_head import loss_targets
+            from .fusion.loss_head import loss_targets, own_loss, own_loss_batch
 
+            if own_loss_batch(batch):  # nanoGPT's forward(idx, targets): its cross-entropy is the fused one
+                return own_loss(self.model, head, batch)
             labels, call = loss_targets(batch, self.module)
             head.arm(labels)
             self.model(*call.args, **call.kwargs)

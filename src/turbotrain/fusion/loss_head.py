@@ -6,7 +6,11 @@ training step, arms it with the targets. Armed, the head computes the chunked li
 of its input against those targets and hands the model a zero-stride placeholder of the logits'
 shape (no memory), which the Engine never lets reach a loss. The model's own loss path is skipped
 (``labels`` are taken out of the batch), so a Hugging Face model and a user's ``loss_fn`` are
-handled alike.
+handled alike. A model that takes its targets and computes its own cross-entropy in ``forward``
+(nanoGPT's ``forward(idx, targets)``, batches ``(idx, targets)`` with no loss_fn) keeps computing it:
+under :class:`OwnLossMode` its ``F.cross_entropy`` call on the placeholder returns the fused loss of
+the head's input against the targets, ``ignore_index`` and reduction that call names, so whatever the
+model adds to that loss stays in it.
 
 Whether the loss so computed equals the one the run would compute unfused is not assumed:
 :func:`install_loss_head` checks it on the first batch, in the run's precision, for the loss value
@@ -27,13 +31,15 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 
-from ..batch import IGNORE_INDEX, Batch, LossContract, is_causal_model
+from ..batch import IGNORE_INDEX, Batch, LossContract, is_causal_model, model_loss
 from ..utils import leaves_no_trace
 from .modules import _compute_dtype
 from .ops.linear_cross_entropy import linear_cross_entropy
 
-__all__ = ["FusedLossHead", "LossHeadResult", "install_loss_head", "loss_head_refusal", "LOSS_TOLERANCES"]
+__all__ = ["FusedLossHead", "LossHeadResult", "OwnLossMode", "install_loss_head", "loss_head_refusal",
+           "own_loss_batch", "LOSS_TOLERANCES"]
 
 #: How close the fused loss must be to the stock one, per run dtype: (relative loss error, minimum
 #: SQNR of the head weight's gradient in dB). bf16 logits are rounded before the stock softmax while
@@ -59,6 +65,8 @@ class FusedLossHead(nn.Module):
     """A Linear head that, when armed with targets, computes the fused loss instead of the logits.
 
     Unarmed (evaluation, generation, any call the Engine did not arm) it is exactly the Linear.
+    Armed for the model's own loss (:meth:`arm_own`), it keeps its input for the cross-entropy call
+    :class:`OwnLossMode` catches and returns the placeholder.
     """
 
     def __init__(self, linear: nn.Linear, shift: bool, chunk_rows: Optional[int] = None):
@@ -70,10 +78,19 @@ class FusedLossHead(nn.Module):
         self.chunk_rows = chunk_rows
         self._targets: Optional[Tensor] = None
         self._loss: Optional[Tensor] = None
+        self._own = False
+        self._input: Optional[tuple] = None  # (x, w, b) in the compute dtype, for the model's own loss
 
     def arm(self, targets: Tensor) -> None:
         self._targets = targets
         self._loss = None
+
+    def arm_own(self) -> None:
+        """The next forward's model computes its own cross-entropy under :class:`OwnLossMode`."""
+        self._own, self._input = True, None
+
+    def disarm(self) -> None:
+        self._own, self._input, self._targets, self._loss = False, None, None, None
 
     def take_loss(self) -> Tensor:
         loss, self._loss, self._targets = self._loss, None, None
@@ -84,25 +101,116 @@ class FusedLossHead(nn.Module):
                               "train without fuse=('linear_cross_entropy',) for this model")
         return loss
 
-    def forward(self, x: Tensor) -> Tensor:
-        targets = self._targets
-        if targets is None:
-            return F.linear(x, self.weight, self.bias)
-        self._targets = None
-        if self.shift:
-            targets = shift_left(targets)
+    def _operands(self, x: Tensor) -> tuple:
         dtype = _compute_dtype(x, self.weight)
         w, b = self.weight, self.bias
         if dtype is not None:  # custom ops are not cast by autocast (or the mode): do what they would
             x, w = x.to(dtype), w.to(dtype)
             b = b.to(dtype) if b is not None else None
-        self._loss = linear_cross_entropy(x, w, b, targets, IGNORE_INDEX, self.chunk_rows)
+        return x, w, b
+
+    def forward(self, x: Tensor) -> Tensor:
+        targets = self._targets
+        if self._own:
+            self._input = self._operands(x)
+        elif targets is None:
+            return F.linear(x, self.weight, self.bias)
+        else:
+            self._targets = None
+            if self.shift:
+                targets = shift_left(targets)
+            self._loss = linear_cross_entropy(*self._operands(x), targets, IGNORE_INDEX, self.chunk_rows)
         # The model goes on with a placeholder of the logits' shape that costs no memory.
         return x.new_zeros(()).expand(*x.shape[:-1], self.out_features)
+
+    def is_placeholder(self, value) -> bool:
+        """``value`` is this forward's placeholder logits, or a view of all of them (``.view(-1, V)``)."""
+        if self._input is None or not isinstance(value, Tensor) or value.dim() < 1:
+            return False
+        x = self._input[0]
+        return (value.shape[-1] == self.out_features and value.numel() == x.numel() // x.shape[-1] * self.out_features
+                and all(s == 0 for s in value.stride()))
+
+    def own_loss(self, target: Tensor, ignore_index: int, reduction: str) -> Tensor:
+        """The fused cross-entropy of the kept input against ``target`` (one class index per logits row)."""
+        x, w, b = self._input
+        rows = x.reshape(-1, x.shape[-1])
+        target = target.reshape(-1)
+        loss = linear_cross_entropy(rows, w, b, target, ignore_index, self.chunk_rows)
+        if reduction == "sum":
+            loss = loss * (target != ignore_index).sum()
+        return loss
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"fused cross-entropy{' (causal shift)' if self.shift else ''}")
+
+
+_CROSS_ENTROPY_ARGS = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction",
+                       "label_smoothing")
+
+
+class OwnLossMode(TorchFunctionMode):
+    """While a model computes its own loss: ``F.cross_entropy`` on the fused head's placeholder logits
+    (``nn.CrossEntropyLoss`` calls it too) returns the fused loss; every other call runs as it is.
+
+    ``calls`` counts the cross-entropies it answered (the same logits may be scored more than once). One it cannot answer the same way (class
+    weights, label smoothing, a per-token loss) raises :class:`~turbotrain.errors.FusionError`, which
+    the set-up's loss check turns into a rollback with that reason.
+    """
+
+    def __init__(self, head: FusedLossHead):
+        super().__init__()
+        self.head = head
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.cross_entropy:
+            bound = dict(zip(_CROSS_ENTROPY_ARGS, args), **kwargs)
+            if self.head.is_placeholder(bound.get("input")):
+                return self._fused(bound)
+        return func(*args, **kwargs)
+
+    def _fused(self, bound: dict) -> Tensor:
+        from ..errors import FusionError
+
+        reduction = bound.get("reduction", "mean")
+        unlike = [name for name, stock in (("weight", None), ("size_average", None), ("reduce", None))
+                  if bound.get(name) is not stock]
+        if float(bound.get("label_smoothing", 0.0)) != 0.0:
+            unlike.append("label_smoothing")
+        if reduction not in ("mean", "sum"):
+            unlike.append(f"reduction={reduction!r}")
+        if unlike:
+            raise FusionError(f"the model's cross-entropy uses {', '.join(unlike)}, which the fused head does not compute")
+        target = bound["target"]
+        if not isinstance(target, Tensor) or target.is_floating_point():
+            raise FusionError("the model's cross-entropy takes class probabilities, not class indices")
+        self.calls += 1
+        return self.head.own_loss(target, int(bound.get("ignore_index", IGNORE_INDEX)), reduction)
+
+
+def own_loss_batch(batch: Batch) -> bool:
+    """The model gets the targets and computes its own loss: ``(inputs, targets)`` with no loss_fn."""
+    return batch.kind == "tuple" and len(batch.args) == 2
+
+
+def own_loss(model: nn.Module, head: FusedLossHead, batch: Batch) -> Tensor:
+    """The model's own loss of ``batch`` with its cross-entropy on the head computed fused."""
+    from ..errors import FusionError
+
+    head.arm_own()
+    try:
+        with OwnLossMode(head) as mode:
+            output = model(*batch.args, **batch.kwargs)
+        if not mode.calls:
+            raise FusionError("the model's forward computed no cross-entropy on the whole of the head's logits "
+                              "(one on a slice or a transformed copy of them cannot be fused); train without "
+                              "fuse=('linear_cross_entropy',) for this model")
+        return model_loss(output)
+    finally:
+        head.disarm()
 
 
 @dataclass
@@ -132,7 +240,7 @@ def loss_targets(batch: Batch, model: Optional[nn.Module] = None) -> tuple[Optio
                 and kwargs.get("decoder_input_ids") is None and kwargs.get("decoder_inputs_embeds") is None):
             kwargs["decoder_input_ids"] = prepare(labels=labels)
         return labels, Batch((), kwargs, kind="mapping", size=batch.size)
-    if batch.kind == "tuple" and len(batch.args) == 1:
+    if batch.kind == "tuple":  # with a loss_fn, or the model's own loss (own_loss_batch)
         return batch.targets, batch
     return None, batch
 
@@ -229,6 +337,8 @@ def _run(model, head, contract: LossContract, batch: Batch, context, fused: Opti
                 torch.manual_seed(0)  # same dropout masks in the stock and the fused run
                 if fused is None:
                     loss = contract(model, batch)
+                elif own_loss_batch(batch):
+                    loss = own_loss(model, fused, batch)
                 else:
                     targets, call = loss_targets(batch, model)
                     fused.arm(targets)
@@ -253,8 +363,8 @@ def _unfit(model: nn.Module, head_path: str, example: Batch) -> str:
         return f"the head is a {type(head).__name__}, not an nn.Linear"
     targets, _ = loss_targets(example)
     if targets is None:
-        return ("the batch carries no targets the head's loss could be fused with (a dict batch needs 'labels'; "
-                "a tuple batch needs a loss_fn)")
+        return ("the batch carries no targets the head's loss could be fused with (a dict batch needs 'labels', "
+                "a tensor batch a loss_fn)")
     if not isinstance(targets, Tensor) or targets.is_floating_point() or targets.dim() < 1:
         return "the targets are not integer class indices"
     if not head_path:
@@ -297,7 +407,9 @@ def install_loss_head(model: nn.Module, head_path: str, contract: LossContract, 
     rel_bound, sqnr_bound = LOSS_TOLERANCES.get(run_dtype, LOSS_TOLERANCES[torch.float32])
     causal_first = is_causal_model(model) and example.kind == "mapping"
     tried = []
-    for shift in ((True, False) if causal_first else (False, True)):
+    # The model's own cross-entropy names its targets itself: nothing to shift.
+    shifts = (False,) if own_loss_batch(example) else (True, False) if causal_first else (False, True)
+    for shift in shifts:
         if shift and targets.dim() < 2:
             continue
         fused = FusedLossHead(head, shift)

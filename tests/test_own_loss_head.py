@@ -1,0 +1,110 @@
+"""The fused linear+cross-entropy on a model that computes its own loss from the targets it is given
+(nanoGPT's ``forward(idx, targets)``): its ``F.cross_entropy`` on the head's logits becomes the fused
+loss, with the call's own ignore_index and reduction, and what the model adds to it stays."""
+
+import pytest
+import torch
+from torch import nn
+
+from turbotrain import Config, Engine
+from turbotrain.fusion.loss_head import FusedLossHead
+
+F = nn.functional
+VOCAB, D = 40, 16
+
+
+class TinyGPT(nn.Module):
+    """nanoGPT's shape: tied embedding and head, forward(idx, targets) -> (logits, loss)."""
+
+    def __init__(self, what="plain"):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, D)
+        self.mix = nn.Linear(D, D)
+        self.lm_head = nn.Linear(D, VOCAB, bias=False)
+        self.emb.weight = self.lm_head.weight
+        self.what = what
+        self.criterion = nn.CrossEntropyLoss(ignore_index=-1)
+
+    def forward(self, idx, targets=None):
+        x = torch.tanh(self.mix(self.emb(idx)))
+        if targets is None:
+            return self.lm_head(x[:, [-1], :]), None
+        logits = self.lm_head(x)
+        flat, flat_targets = logits.view(-1, logits.size(-1)), targets.view(-1)
+        if self.what == "module":
+            loss = self.criterion(flat, flat_targets)
+        elif self.what == "sum":
+            loss = F.cross_entropy(flat, flat_targets, ignore_index=-1, reduction="sum") / 100.0
+        elif self.what == "smoothing":
+            loss = F.cross_entropy(flat, flat_targets, ignore_index=-1, label_smoothing=0.1)
+        elif self.what == "slice":
+            loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), targets[:, :-1].reshape(-1), ignore_index=-1)
+        elif self.what == "twice":
+            loss = F.cross_entropy(flat, flat_targets, ignore_index=-1) + F.cross_entropy(flat, flat_targets, ignore_index=-1)
+        elif self.what == "aux":
+            loss = F.cross_entropy(flat, flat_targets, ignore_index=-1) + 0.1 * x.pow(2).mean()
+        else:
+            loss = F.cross_entropy(flat, flat_targets, ignore_index=-1)
+        return logits, loss
+
+
+def batches(n=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, VOCAB, (4, 13), generator=g)
+        targets = ids[:, 1:].clone()
+        targets[:, -3:] = -1  # padding the model's own loss ignores (nanoGPT's convention, not -100)
+        out.append((ids[:, :-1].contiguous(), targets))
+    return out
+
+
+def train(what, fuse, compile=False):
+    torch.manual_seed(0)
+    model = TinyGPT(what)
+    engine = Engine(model, lambda p: torch.optim.AdamW(p, lr=1e-2),
+                    config=Config(device="cpu", precision="fp32", fuse=fuse, compile=compile))
+    stats = [engine.step(b) for b in batches()]
+    engine.last_stats = stats[-1]
+    return engine, [float(s.loss) for s in stats]
+
+
+@pytest.mark.parametrize("what", ["plain", "module", "sum", "aux", "twice"])
+def test_the_models_own_cross_entropy_is_fused_with_its_ignore_index_and_reduction(what):
+    engine, fused = train(what, ("linear_cross_entropy",))
+    head = engine._transform("fusion").loss_head
+    assert head.fused, head.reason
+    assert isinstance(engine.module.lm_head, FusedLossHead)
+    assert engine.module.emb.weight is engine.module.lm_head.weight  # the tie holds
+    _, stock = train(what, False)
+    # -1 targets ignored (not scored as class 39), the sum and the model's extra term kept
+    assert fused == pytest.approx(stock, rel=1e-5)
+
+
+@pytest.mark.parametrize("what, reason", [("smoothing", "label_smoothing"), ("slice", "no cross-entropy on the whole")])
+def test_a_cross_entropy_the_fused_head_cannot_compute_rolls_it_back_with_the_reason(what, reason):
+    engine, losses = train(what, ("linear_cross_entropy",))
+    head = engine._transform("fusion").loss_head
+    assert not head.fused and reason in head.reason, head.reason
+    assert type(engine.module.lm_head) is nn.Linear
+    _, stock = train(what, False)
+    assert losses == pytest.approx(stock, rel=1e-6)
+
+
+def test_the_unarmed_head_still_gives_the_model_its_logits():
+    engine, _ = train("plain", ("linear_cross_entropy",))
+    idx = batches(1, seed=3)[0][0]
+    with torch.no_grad():
+        logits, loss = engine.module(idx)
+        x = torch.tanh(engine.module.mix(engine.module.emb(idx)))[:, [-1], :]
+        expected = x @ engine.module.lm_head.weight.T
+    assert loss is None and torch.allclose(logits, expected, atol=1e-6)
+
+
+def test_the_models_own_fused_loss_compiles_without_recompiles():
+    torch._dynamo.reset()
+    engine, fused = train("plain", ("linear_cross_entropy",), compile=True)
+    assert engine._transform("fusion").loss_head.fused
+    assert engine.last_stats.recompiles == 0
+    _, stock = train("plain", False)
+    assert fused == pytest.approx(stock, rel=1e-4)
