@@ -114,3 +114,45 @@ def test_functions_that_cannot_reach_the_row_processes_are_refused_before_any_wo
         turbotrain.bench.compare(lambda: nn.Linear(3, 2), batches, loss_fn=nn.functional.cross_entropy,
                                  out=tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+class OwnLossNet(nn.Module):
+    """nanoGPT's contract: forward(idx, targets) returns (logits, loss)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = nn.Embedding(32, 16), nn.Linear(16, 32)
+
+    def forward(self, ids, targets=None):
+        logits = self.head(self.embed(ids))
+        if targets is None:
+            return logits, None
+        return logits, nn.functional.cross_entropy(logits.view(-1, 32), targets.view(-1), ignore_index=-1)
+
+
+def _own_loss_batches():
+    g = torch.Generator().manual_seed(0)
+    ids = [torch.randint(0, 32, (4, 8), generator=g) for _ in range(3)]
+    return [(i, (5 * i + 3) % 32) for i in ids]
+
+
+def test_every_row_trains_a_model_that_computes_its_own_loss_from_the_targets():
+    """compare(build, batches) with no loss_fn on a nanoGPT-shaped model: the peers' loop and the
+    Engine both call model(inputs, targets) and take its loss (the peers used to call loss_fn=None)."""
+    from turbotrain import Config, Engine
+    from turbotrain.bench.configs import make_optimizer
+    from turbotrain.bench.peers import PeerTrainer
+    from turbotrain.workloads.user import user_workload
+
+    def build():
+        torch.manual_seed(0)
+        return OwnLossNet()
+
+    batches = _own_loss_batches()
+    work = user_workload(build, make_optimizer, batches)
+    trainer = PeerTrainer(work, "cpu")
+    peer = [float(trainer.step(b)) for b in batches[:2]]
+    engine = Engine(build(), make_optimizer, config=Config(device="cpu", precision="fp32"))
+    tt = [float(engine.step(b).loss) for b in batches[:2]]
+    assert peer == pytest.approx(tt, rel=1e-6)
+    assert work.loss(build(), batches[0]).item() == pytest.approx(peer[0], rel=1e-6)

@@ -29,8 +29,9 @@ def compare(model_fn, batches, *, loss_fn=None, val_batches=None, configs=None, 
     """Run the benchmark ladder on ``model_fn()`` trained on ``batches``; returns the results dict
     (results.json's content; docs/benchmark-schema.md) and writes the reports into ``out``.
 
-    ``batches``: a list in the Engine's batch contract ((inputs, targets) with ``loss_fn``, or a dict
-    for ``model(**batch)`` whose output has ``.loss``); train batches cycle, and the last quarter is
+    ``batches``: a list in the Engine's batch contract ((inputs, targets) with ``loss_fn``, or without
+    it ``model(inputs, targets)`` and the model's own loss as nanoGPT computes it; a dict for
+    ``model(**batch)`` whose output has ``.loss``); train batches cycle, and the last quarter is
     held out for the val loss unless ``val_batches`` is given. ``configs``: row names (``turbotrain
     bench --list``; a list, or one comma-separated string), default the device's ladder.
     ``malloc_tuned``: start every row's process with glibc's tuned allocator settings

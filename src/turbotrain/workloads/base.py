@@ -17,12 +17,21 @@ Batch = Union[tuple[torch.Tensor, torch.Tensor], dict[str, torch.Tensor]]
 
 
 def user_loss(model: nn.Module, loss_fn: Optional[Callable], batch) -> torch.Tensor:
-    """The loss the way a user's loop computes it: ``loss_fn(model(inputs), targets)`` for a pair,
-    ``model(**batch).loss`` (the model's own, Hugging Face style) for a dict without a loss_fn."""
+    """The loss the way a user's loop computes it, by the Engine's batch contract (turbotrain/batch.py):
+    ``loss_fn(model(inputs), targets)`` for a pair, or without a loss_fn ``model(inputs, targets)`` and
+    the model's own loss (nanoGPT); ``model(**batch)`` for a dict, its ``.loss`` or ``loss_fn(output,
+    batch)``; ``model(batch)`` for a tensor, its own loss or ``loss_fn(output)``."""
+    from ..batch import model_loss
+
     if isinstance(batch, Mapping):
         output = model(**batch)
-        return output.loss if loss_fn is None else loss_fn(output, batch)
+        return model_loss(output) if loss_fn is None else loss_fn(output, batch)
+    if isinstance(batch, torch.Tensor):
+        output = model(batch)
+        return model_loss(output) if loss_fn is None else loss_fn(output)
     inputs, targets = batch
+    if loss_fn is None:
+        return model_loss(model(inputs, targets))
     return loss_fn(model(inputs), targets)
 
 
