@@ -1,6 +1,7 @@
 """Plain-PyTorch attention (fusion/attention.py) against the stock scaled_dot_product_attention:
 outputs and q/k/v gradients, in eager and through torch.compile, on user-gpt and HF Llama."""
 
+import contextlib
 import copy
 import doctest
 import logging
@@ -124,6 +125,60 @@ def test_torch_compile_traces_through_the_mode_in_one_graph():
     assert len(backend.graphs) == 1
     assert F.scaled_dot_product_attention not in backend.targets() and torch.matmul in backend.targets()
     torch.testing.assert_close(out, plain_attention(q, k, v, is_causal=True, enable_gqa=True, scale=0.3, block=8))
+
+
+MHA_CASES = {  # name -> (routed to plain attention, the call)
+    "causal": (True, lambda m, x, c, b: m(x, x, x, attn_mask=c, need_weights=False, is_causal=True)[0]),
+    "bool-mask": (True, lambda m, x, c, b: m(x, x, x, attn_mask=b, need_weights=False)[0]),
+    "float-mask": (True, lambda m, x, c, b: m(x, x, x, attn_mask=c, need_weights=False)[0]),
+    "no-mask": (True, lambda m, x, c, b: m(x, x, x, need_weights=False)[0]),
+    "encoder-layer": (True, lambda m, x, c, b: m.layer(x, src_mask=c, is_causal=True)),
+    "key-padding-mask": (False, lambda m, x, c, b: m(x, x, x, key_padding_mask=b[:2], need_weights=False)[0]),
+    "need-weights": (False, lambda m, x, c, b: m(x, x, x, attn_mask=c)[0]),
+    "cross-attention": (False, lambda m, x, c, b: m(x, x.flip(1), x.flip(1), need_weights=False)[0]),
+}
+
+
+@pytest.mark.parametrize("case", list(MHA_CASES))
+def test_multihead_attention_routes_its_own_sdpa_call_eagerly_and_under_compile(case):
+    """nn.MultiheadAttention calls sdpa inside F.multi_head_attention_forward, past the mode; the mode
+    takes that function's common training case itself (Dynamo kept the whole function as one opaque
+    call before), with the stock outputs and gradients, and leaves every other case to it."""
+    routed, call = MHA_CASES[case]
+    torch.manual_seed(0)
+    module = torch.nn.MultiheadAttention(32, 4, batch_first=True)
+    module.layer = torch.nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True, norm_first=True)
+    x = torch.randn(2, 16, 32, requires_grad=True)
+    causal = torch.nn.Transformer.generate_square_subsequent_mask(16)
+    masked_out = torch.rand(16, 16, generator=torch.Generator().manual_seed(1)) > 0.7
+    masked_out[:, 0] = False
+    params = [x, *module.parameters()]
+
+    def outputs(mode=None):
+        with mode or contextlib.nullcontext():
+            out = call(module, x, causal, masked_out)
+        return [out, *torch.autograd.grad(out.square().sum(), params, allow_unused=True)]
+
+    stock = outputs()
+    mode = PlainAttentionMode(block=8)
+    plain = outputs(mode)
+    assert mode.calls == routed
+    for a, b in zip(plain, stock):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+    torch._dynamo.reset()
+    backend = Graphs()
+
+    def step(x):
+        with mode:
+            return call(module, x, causal, masked_out)
+
+    compiled = torch.compile(step, backend=backend, fullgraph=True)(x)
+    torch.testing.assert_close(compiled, stock[0], rtol=1e-5, atol=1e-5)
+    assert (F.multi_head_attention_forward not in backend.targets()) is routed
+    assert (torch.matmul in backend.targets()) is routed
 
 
 def loss_and_grads(model, loss_of, mode=None):

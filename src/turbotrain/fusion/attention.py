@@ -10,7 +10,11 @@ blocks of ``q @ kᵀ`` are never computed (nor stored for the backward).
 :class:`PlainAttentionMode` routes the ``scaled_dot_product_attention`` calls of any model (a
 user's own ``F.scaled_dot_product_attention``, Hugging Face's sdpa attention interface) to
 :func:`plain_attention` while it is entered; ``torch.compile`` traces through it in one graph.
-The stock op is its own reference twin. The Engine uses it under ``compile=True`` on a CPU in bf16
+The stock op is its own reference twin. ``nn.MultiheadAttention`` (and so ``nn.TransformerEncoderLayer``
+and ``nn.TransformerDecoderLayer``) calls the op from inside ``F.multi_head_attention_forward``, past
+that function's own torch-function dispatch, where no mode sees it (and Dynamo leaves the whole
+function as one opaque call), so the mode takes that function's common training case itself:
+self-attention over the packed projection, no key padding mask, no attention weights returned. The Engine uses it under ``compile=True`` on a CPU in bf16
 (``Config(attention='auto')``; 'plain' and 'stock' force either), or enter the mode inside your own
 compiled step: on a quiet 2-core AVX512-BF16 EPYC at T=256 it made the whole compiled step 1.07-1.15x
 faster than the same step with the flash kernel (benchmarks/2026-12-04-avx512-plain-attention.md). It keeps FP32
@@ -28,6 +32,7 @@ True
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 from typing import Optional
@@ -49,6 +54,10 @@ logger = logging.getLogger(__name__)
 #: and one block 6-16% slower (benchmarks/2026-12-06-avx512-families.md).
 DEFAULT_BLOCK = 128
 _SDPA = F.scaled_dot_product_attention
+_MHA = F.multi_head_attention_forward
+# Its parameters, read once here: Dynamo does not trace inspect.signature(...).bind.
+_MHA_NAMES = tuple(inspect.signature(_MHA).parameters)
+_MHA_DEFAULTS = {n: p.default for n, p in inspect.signature(_MHA).parameters.items() if p.default is not p.empty}
 _WARNED: set[str] = set()
 
 
@@ -144,9 +153,43 @@ class PlainAttentionMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is _MHA:
+            return self._multi_head_attention(func, args, kwargs)
         if func is not _SDPA:
             return func(*args, **kwargs)
         return self._attention(*args, **kwargs)
+
+    def _multi_head_attention(self, func, args, kwargs):
+        """``F.multi_head_attention_forward`` with its attention routed, in the case where its own code
+        reduces to: the packed in-projection, sdpa over (batch, heads, sequence, head_dim), the
+        out-projection. Any other case (cross-attention, a key padding mask, attention weights asked
+        for, bias_k/bias_v, static keys) runs the stock function."""
+        a = dict(_MHA_DEFAULTS)
+        a.update(zip(_MHA_NAMES, args))
+        a.update(kwargs)
+        query, attn_mask, is_causal = a["query"], a["attn_mask"], a["is_causal"]
+        if (a["need_weights"] or a["key_padding_mask"] is not None or a["use_separate_proj_weight"]
+                or a["in_proj_weight"] is None or a["bias_k"] is not None or a["bias_v"] is not None
+                or a["add_zero_attn"] or a["static_k"] is not None or a["static_v"] is not None
+                or query.dim() != 3 or not (query is a["key"] and query is a["value"])
+                or (is_causal and attn_mask is None)  # the stock function's own error
+                or (attn_mask is not None and attn_mask.dim() != 2)):
+            return func(*args, **kwargs)
+        length, batch, embed = query.shape
+        heads = a["num_heads"]
+        if embed != a["embed_dim_to_check"] or embed % heads:
+            return func(*args, **kwargs)  # the stock function's own error
+        if is_causal:
+            attn_mask = None  # the hint replaces the mask, as the stock function does without padding
+        elif attn_mask is not None and attn_mask.dtype == torch.bool:
+            attn_mask = ~attn_mask  # nn.MultiheadAttention's True masks a key out; sdpa's True keeps it
+        qkv = F.linear(query, a["in_proj_weight"], a["in_proj_bias"])  # (T, B, 3E)
+        q, k, v = qkv.unflatten(-1, (3, heads, embed // heads)).permute(2, 1, 3, 0, 4).unbind(0)  # (B, H, T, d)
+        out = self._attention(q, k, v, attn_mask=attn_mask, dropout_p=a["dropout_p"] if a["training"] else 0.0,
+                              is_causal=is_causal)
+        out = F.linear(out.permute(2, 0, 1, 3).reshape(length * batch, embed), a["out_proj_weight"],
+                       a["out_proj_bias"])
+        return out.view(length, batch, embed), None
 
     def _attention(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                    enable_gqa=False):
