@@ -362,3 +362,32 @@ def test_compiled_sliding_window_model_attends_causally_when_the_window_masks_no
     calls, loss, expected = compiled_attention_calls(model, batch, monkeypatch)
     assert calls == ({(True, True)} if window > 24 else {(False, False)})
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=0)
+
+
+class DropoutAttention(torch.nn.Module):
+    """Attention dropout, which only the stock kernel has: compiled plain attention must say it left it."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.qkv, self.head = torch.nn.Embedding(64, 32), torch.nn.Linear(32, 96), torch.nn.Linear(32, 64)
+
+    def forward(self, ids):
+        q, k, v = self.qkv(self.emb(ids)).view(*ids.shape, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.1, is_causal=True)
+        return self.head(out.transpose(1, 2).flatten(2))
+
+
+def test_compiled_attention_left_to_the_stock_kernel_is_said_once_and_described(caplog):
+    torch._dynamo.reset()
+    attention._WARNED.clear()
+    torch.manual_seed(0)
+    engine = Engine(DropoutAttention(), lambda p: torch.optim.SGD(p, lr=0.1),
+                    lambda out, y: F.cross_entropy(out.flatten(0, 1).float(), y.flatten()),
+                    config=Config(device="cpu", precision="bf16-master", compile=True, attention="plain"))
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    with caplog.at_level(logging.WARNING, logger="turbotrain.fusion.attention"):
+        for _ in range(2):
+            engine.step((ids, ids))
+    said = [r.getMessage() for r in caplog.records if "stock kernel" in r.getMessage()]
+    assert len(said) == 1 and "dropout_p=0.1" in said[0], said
+    assert "left to the stock kernel: dropout_p=0.1" in engine.describe()

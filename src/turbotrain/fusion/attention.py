@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["plain_attention", "PlainAttentionMode", "DEFAULT_BLOCK"]
+__all__ = ["plain_attention", "PlainAttentionMode", "DEFAULT_BLOCK", "say_left_to_stock"]
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +65,12 @@ def _say_once(reason: str) -> None:
     if reason not in _WARNED:
         _WARNED.add(reason)
         logger.warning("scaled_dot_product_attention runs the stock kernel: %s", reason)
+
+
+def say_left_to_stock(mode: "PlainAttentionMode") -> None:
+    """Log, once per reason in the process, why traced calls of ``mode`` stayed on the stock op."""
+    for reason in sorted(mode.left_to_stock):
+        _say_once(reason)
 
 
 def _causal_keep(rows: range, keys: int, device) -> Tensor:
@@ -143,13 +149,17 @@ class PlainAttentionMode(TorchFunctionMode):
 
     A call with dropout (``dropout_p > 0``) or another case plain_attention does not cover runs
     the stock op, and the first of each kind is logged as a warning. ``calls`` counts the calls
-    routed outside torch.compile (under compile the mode acts once, when the graph is traced).
+    routed outside torch.compile (under compile the mode acts once, when the graph is traced, and
+    ``left_to_stock`` collects the reasons of the calls it left to the stock op).
     """
 
     def __init__(self, block: Optional[int] = DEFAULT_BLOCK):
         super().__init__()
         self.block = block
         self.calls = 0
+        self.left_to_stock: set[str] = set()
+        """Why calls traced by torch.compile went to the stock op (a log call there would break the
+        graph, so whoever compiled says it: CompileTransform does, once, after the step)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -195,7 +205,9 @@ class PlainAttentionMode(TorchFunctionMode):
                    enable_gqa=False):
         reason = _unsupported(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
         if reason is not None:
-            if not torch.compiler.is_compiling():
+            if torch.compiler.is_compiling():  # a log call would break the graph: the caller says it
+                self.left_to_stock.add(reason)
+            else:
                 _say_once(reason)
             return _SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                          scale=scale, enable_gqa=enable_gqa)

@@ -243,6 +243,7 @@ class CompileTransform(Transform):
         self.attention = attention
         """True, False, or None: chosen at set-up (plain attention on a CPU in bf16)."""
         self._attention_reason = ""
+        self._mode = None  # the PlainAttentionMode the compiled runner enters, when attention is on
 
     def apply(self, model, plan, ctx) -> None:
         self._hf = _is_hf_model(model)
@@ -254,10 +255,11 @@ class CompileTransform(Transform):
         if self.attention:
             from .attention import PlainAttentionMode
 
-            inner = runner
+            inner, mode = runner, PlainAttentionMode()
+            self._mode = mode
 
             def runner(*args, **kwargs):
-                with PlainAttentionMode():
+                with mode:
                     return inner(*args, **kwargs)
 
         compiled = torch.compile(runner, options=_compile_options())
@@ -278,6 +280,8 @@ class CompileTransform(Transform):
     def describe(self) -> str:
         attention = ("scaled_dot_product_attention as compiled plain attention" + self._attention_reason
                      if self.attention else "stock scaled_dot_product_attention")
+        if self._mode is not None and self._mode.left_to_stock:
+            attention += "; calls left to the stock kernel: " + "; ".join(sorted(self._mode.left_to_stock))
         return f"compile: forward and loss as one graph; {attention}"
 
     def recompiles(self) -> int:
@@ -286,4 +290,8 @@ class CompileTransform(Transform):
             self._graphs_at_start = recompile_count()
         count = recompile_count() - self._graphs_at_start
         check_recompile_budget()
+        if self._mode is not None and self._mode.left_to_stock:  # said here: a log call traced would break the graph
+            from .attention import say_left_to_stock
+
+            say_left_to_stock(self._mode)
         return count
