@@ -40,7 +40,8 @@ class TinyGPT(nn.Module):
         elif self.what == "slice":
             loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), targets[:, :-1].reshape(-1), ignore_index=-1)
         elif self.what == "twice":
-            loss = F.cross_entropy(flat, flat_targets, ignore_index=-1) + F.cross_entropy(flat, flat_targets, ignore_index=-1)
+            loss = (F.cross_entropy(flat, flat_targets, ignore_index=-1)
+                    + F.cross_entropy(flat, flat_targets, ignore_index=-1))
         elif self.what == "aux":
             loss = F.cross_entropy(flat, flat_targets, ignore_index=-1) + 0.1 * x.pow(2).mean()
         else:

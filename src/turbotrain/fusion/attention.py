@@ -10,14 +10,16 @@ blocks of ``q @ kᵀ`` are never computed (nor stored for the backward).
 :class:`PlainAttentionMode` routes the ``scaled_dot_product_attention`` calls of any model (a
 user's own ``F.scaled_dot_product_attention``, Hugging Face's sdpa attention interface) to
 :func:`plain_attention` while it is entered; ``torch.compile`` traces through it in one graph.
-The stock op is its own reference twin. ``nn.MultiheadAttention`` (and so ``nn.TransformerEncoderLayer``
-and ``nn.TransformerDecoderLayer``) calls the op from inside ``F.multi_head_attention_forward``, past
-that function's own torch-function dispatch, where no mode sees it (and Dynamo leaves the whole
-function as one opaque call), so the mode takes that function's common training case itself:
-self-attention over the packed projection, no key padding mask, no attention weights returned. The Engine uses it under ``compile=True`` on a CPU in bf16
+The stock op is its own reference twin. ``nn.MultiheadAttention`` (and so
+``nn.TransformerEncoderLayer`` and ``nn.TransformerDecoderLayer``) calls the op from inside
+``F.multi_head_attention_forward``, past that function's own torch-function dispatch, where no mode
+sees it (and Dynamo leaves the whole function as one opaque call), so the mode takes that function's
+common training case itself: self-attention over the packed projection, no key padding mask, no
+attention weights returned. The Engine uses the mode under ``compile=True`` on a CPU in bf16
 (``Config(attention='auto')``; 'plain' and 'stock' force either), or enter the mode inside your own
-compiled step: on a quiet 2-core AVX512-BF16 EPYC at T=256 it made the whole compiled step 1.07-1.15x
-faster than the same step with the flash kernel (benchmarks/2026-12-04-avx512-plain-attention.md). It keeps FP32
+compiled step: on a quiet 2-core AVX512-BF16 EPYC at T=256 it made the whole compiled step
+1.07-1.15x faster than the same step with the flash kernel
+(benchmarks/2026-12-04-avx512-plain-attention.md). It keeps FP32
 scores for the backward, so it costs memory at long sequences.
 
 >>> import torch

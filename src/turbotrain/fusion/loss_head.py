@@ -154,9 +154,10 @@ class OwnLossMode(TorchFunctionMode):
     """While a model computes its own loss: ``F.cross_entropy`` on the fused head's placeholder logits
     (``nn.CrossEntropyLoss`` calls it too) returns the fused loss; every other call runs as it is.
 
-    ``calls`` counts the cross-entropies it answered (the same logits may be scored more than once). One it cannot answer the same way (class
-    weights, label smoothing, a per-token loss) raises :class:`~turbotrain.errors.FusionError`, which
-    the set-up's loss check turns into a rollback with that reason.
+    ``calls`` counts the cross-entropies it answered (the same logits may be scored more than once).
+    One it cannot answer the same way (class weights, label smoothing, a per-token loss) raises
+    :class:`~turbotrain.errors.FusionError`, which the set-up's loss check turns into a rollback with
+    that reason.
     """
 
     def __init__(self, head: FusedLossHead):
@@ -183,7 +184,8 @@ class OwnLossMode(TorchFunctionMode):
         if reduction not in ("mean", "sum"):
             unlike.append(f"reduction={reduction!r}")
         if unlike:
-            raise FusionError(f"the model's cross-entropy uses {', '.join(unlike)}, which the fused head does not compute")
+            raise FusionError(f"the model's cross-entropy uses {', '.join(unlike)}, which the fused head "
+                              "does not compute")
         target = bound["target"]
         if not isinstance(target, Tensor) or target.is_floating_point():
             raise FusionError("the model's cross-entropy takes class probabilities, not class indices")
