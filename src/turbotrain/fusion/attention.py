@@ -35,6 +35,7 @@ True
 from __future__ import annotations
 
 import inspect
+import itertools
 import logging
 import math
 from typing import Optional
@@ -44,7 +45,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["plain_attention", "PlainAttentionMode", "DEFAULT_BLOCK", "say_left_to_stock"]
+__all__ = ["plain_attention", "PlainAttentionMode", "DEFAULT_BLOCK"]
 
 logger = logging.getLogger(__name__)
 
@@ -69,10 +70,21 @@ def _say_once(reason: str) -> None:
         logger.warning("scaled_dot_product_attention runs the stock kernel: %s", reason)
 
 
-def say_left_to_stock(mode: "PlainAttentionMode") -> None:
-    """Log, once per reason in the process, why traced calls of ``mode`` stayed on the stock op."""
-    for reason in sorted(mode.left_to_stock):
-        _say_once(reason)
+_KEYS = itertools.count(1)
+_LEFT: dict[int, set[str]] = {}  # a mode's key -> why its calls went to the stock op
+
+
+@torch.compiler.assume_constant_result
+def _left_to_stock(key: int, reason: str) -> bool:
+    """Note and say (once per reason) that a call of mode ``key`` stayed on the stock op.
+
+    Traced by torch.compile, Dynamo runs it once while tracing and keeps its result as a constant,
+    so it neither breaks the graph (as a log call would) nor makes Dynamo guard on the notes (a set
+    mutated in traced code recompiled the step once).
+    """
+    _LEFT.setdefault(key, set()).add(reason)
+    _say_once(reason)
+    return True
 
 
 def _causal_keep(rows: range, keys: int, device) -> Tensor:
@@ -151,17 +163,26 @@ class PlainAttentionMode(TorchFunctionMode):
 
     A call with dropout (``dropout_p > 0``) or another case plain_attention does not cover runs
     the stock op, and the first of each kind is logged as a warning. ``calls`` counts the calls
-    routed outside torch.compile (under compile the mode acts once, when the graph is traced, and
-    ``left_to_stock`` collects the reasons of the calls it left to the stock op).
+    routed outside torch.compile (under compile the mode acts once, when the graph is traced);
+    ``left_to_stock`` holds the reasons of the calls it left to the stock op, traced ones included.
     """
 
     def __init__(self, block: Optional[int] = DEFAULT_BLOCK):
         super().__init__()
         self.block = block
         self.calls = 0
-        self.left_to_stock: set[str] = set()
-        """Why calls traced by torch.compile went to the stock op (a log call there would break the
-        graph, so whoever compiled says it: CompileTransform does, once, after the step)."""
+        self._key = 0
+        """Whose notes ``left_to_stock`` reads: 0 is shared; :meth:`keep_own_notes` gives a mode its
+        own (outside torch.compile: __init__ may run inside a traced function, so it takes none)."""
+
+    def keep_own_notes(self) -> "PlainAttentionMode":
+        self._key = next(_KEYS)
+        return self
+
+    @property
+    def left_to_stock(self) -> set[str]:
+        """Why calls went to the stock op, eager or traced by torch.compile."""
+        return set(_LEFT.get(self._key, ()))
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -207,10 +228,7 @@ class PlainAttentionMode(TorchFunctionMode):
                    enable_gqa=False):
         reason = _unsupported(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
         if reason is not None:
-            if torch.compiler.is_compiling():  # a log call would break the graph: the caller says it
-                self.left_to_stock.add(reason)
-            else:
-                _say_once(reason)
+            _left_to_stock(self._key, reason)
             return _SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                          scale=scale, enable_gqa=enable_gqa)
         if not torch.compiler.is_compiling():

@@ -255,7 +255,7 @@ class CompileTransform(Transform):
         if self.attention:
             from .attention import PlainAttentionMode
 
-            inner, mode = runner, PlainAttentionMode()
+            inner, mode = runner, PlainAttentionMode().keep_own_notes()
             self._mode = mode
 
             def runner(*args, **kwargs):
@@ -290,8 +290,4 @@ class CompileTransform(Transform):
             self._graphs_at_start = recompile_count()
         count = recompile_count() - self._graphs_at_start
         check_recompile_budget()
-        if self._mode is not None and self._mode.left_to_stock:  # said here: a log call traced would break the graph
-            from .attention import say_left_to_stock
-
-            say_left_to_stock(self._mode)
         return count
