@@ -109,3 +109,39 @@ def test_the_models_own_fused_loss_compiles_without_recompiles():
     assert engine.last_stats.recompiles == 0
     _, stock = train("plain", False)
     assert fused == pytest.approx(stock, rel=1e-4)
+
+
+class RouterLM(nn.Module):
+    """A Hugging Face-shaped model whose loss adds a router's load-balancing term (as Mixtral's does
+    with output_router_logits=True): a term the fused head would drop."""
+
+    def __init__(self, aux=0.001):
+        super().__init__()
+        self.emb, self.router, self.lm_head = nn.Embedding(VOCAB, D), nn.Linear(D, 4), nn.Linear(D, VOCAB)
+        self.aux = aux
+
+    def forward(self, input_ids, labels=None):
+        x = self.emb(input_ids)
+        logits = self.lm_head(x)
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+            if self.aux:
+                loss = loss + self.aux * self.router(x).softmax(-1).pow(2).sum(-1).mean()
+        return type("Out", (), {"loss": loss, "logits": logits})()
+
+
+@pytest.mark.parametrize("aux", [0.001, 0.0])
+def test_a_loss_term_that_does_not_come_from_the_logits_keeps_the_head_unfused(aux):
+    """In bf16 the term is well inside the loss check's tolerance (2e-2) and leaves the head's gradient
+    alone, so only the loss's autograd graph shows it; fusing would drop it without a word."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, VOCAB, (4, 12), generator=torch.Generator().manual_seed(2))
+    engine = Engine(RouterLM(aux), lambda p: torch.optim.AdamW(p, lr=1e-2),
+                    config=Config(device="cpu", precision="bf16-master", fuse=("linear_cross_entropy",)))
+    engine.step({"input_ids": ids, "labels": ids})
+    head = engine._transform("fusion").loss_head
+    if aux:
+        assert not head.fused and "does not come from the logits" in head.reason, head.reason
+    else:
+        assert head.fused, head.reason

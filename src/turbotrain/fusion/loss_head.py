@@ -328,6 +328,28 @@ def logits_feed_only_the_log_softmax(loss: Tensor, logits: Tensor) -> str:
     return ""
 
 
+def loss_has_no_other_term(loss: Tensor, logits: Tensor) -> str:
+    """Why the fused head's loss would drop part of ``loss``, or "" if every gradient path from the loss
+    to a parameter runs through ``logits``.
+
+    Where the fused head replaces the whole loss (a Hugging Face model's ``labels=`` loss, a user's
+    loss_fn), a term the loss adds that does not come from the logits (a mixture-of-experts router's
+    load-balancing loss, a regulariser on hidden states) would be lost without a word; at
+    initialisation such a term can be well inside the bf16 loss check's tolerance.
+    """
+    target, stack, seen = logits.grad_fn, [loss.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node is target or node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__ == "AccumulateGrad":
+            return ("the loss has a term that does not come from the logits (an auxiliary loss, e.g. a "
+                    "router's load-balancing loss), which the fused head would drop")
+        stack.extend(child for child, _ in node.next_functions)
+    return ""
+
+
 def _run(model, head, contract: LossContract, batch: Batch, context, fused: Optional[FusedLossHead]):
     """Loss and head-weight gradient of one seeded run; for the stock run also why the fused head would
     compute something else ("" if not), read off the autograd graph before the gradient frees it."""
@@ -349,6 +371,8 @@ def _run(model, head, contract: LossContract, batch: Batch, context, fused: Opti
             why = ""
             if fused is None and len(seen) == 1 and isinstance(seen[0], Tensor):
                 why = logits_feed_only_the_log_softmax(loss, seen[0])
+                if not why and not own_loss_batch(batch):  # there the model's own extra terms stay
+                    why = loss_has_no_other_term(loss, seen[0])
             elif fused is None:
                 why = f"the head ran {len(seen)} times in one forward"
             (grad,) = torch.autograd.grad(loss, [head.weight])
