@@ -17,22 +17,21 @@ Batch = Union[tuple[torch.Tensor, torch.Tensor], dict[str, torch.Tensor]]
 
 
 def user_loss(model: nn.Module, loss_fn: Optional[Callable], batch) -> torch.Tensor:
-    """The loss the way a user's loop computes it, by the Engine's batch contract (turbotrain/batch.py):
-    ``loss_fn(model(inputs), targets)`` for a pair, or without a loss_fn ``model(inputs, targets)`` and
-    the model's own loss (nanoGPT); ``model(**batch)`` for a dict, its ``.loss`` or ``loss_fn(output,
-    batch)``; ``model(batch)`` for a tensor, its own loss or ``loss_fn(output)``."""
-    from ..batch import model_loss
+    """The loss the way a user's loop computes it, by the Engine's batch contract (turbotrain/batch.py,
+    whose LossContract finds it): ``loss_fn(model(inputs), targets)`` for a pair, or without a loss_fn
+    ``model(inputs, targets)`` and the model's own loss (nanoGPT); ``model(**batch)`` for a dict, its
+    ``.loss`` or ``loss_fn(output, batch)``; ``model(batch)`` for a tensor, its own loss or
+    ``loss_fn(output)``. The batch is taken as it is (no device move, no checks): this is a hot loop."""
+    from ..batch import Batch as Call, LossContract
 
     if isinstance(batch, Mapping):
-        output = model(**batch)
-        return model_loss(output) if loss_fn is None else loss_fn(output, batch)
-    if isinstance(batch, torch.Tensor):
-        output = model(batch)
-        return model_loss(output) if loss_fn is None else loss_fn(output)
-    inputs, targets = batch
-    if loss_fn is None:
-        return model_loss(model(inputs, targets))
-    return loss_fn(model(inputs), targets)
+        call = Call((), batch, kind="mapping")
+    elif isinstance(batch, torch.Tensor):
+        call = Call((batch,), {}, kind="tensor")
+    else:
+        inputs, targets = batch
+        call = Call((inputs,) if loss_fn is not None else (inputs, targets), {}, targets)
+    return LossContract(loss_fn)(model, call)
 
 
 @dataclass
