@@ -235,6 +235,46 @@ def test_a_process_group_timeout_that_is_not_a_positive_number_is_refused():
             comm.init(backend="gloo", timeout_s=bad)
 
 
+EXIT_SCRIPT = """
+import sys, threading, time
+import torch
+import torch.distributed as dist
+from turbotrain import comm
+comm.init(backend="gloo", timeout_s=30)
+entered = threading.Event()
+
+def callback(fut):  # a comm hook's .then(): it runs, and is released, on one of gloo's threads
+    entered.set()
+    time.sleep(float(sys.argv[1]))  # still there when the script's last line has run
+    return fut.value()[0]
+
+t = torch.ones(1)
+chained = dist.all_reduce(t, async_op=True).get_future().then(callback)
+entered.wait()
+print("sum", t.item(), flush=True)
+"""
+
+
+@pytest.mark.dist
+def test_a_rank_whose_last_collective_is_still_finishing_at_exit_exits_cleanly(tmp_path):
+    # Left alone, the gloo thread that runs a completion callback asks for the GIL after the
+    # interpreter began to finalize and the rank aborts after its work is done ("terminate called
+    # without an active exception", exit -6): here the callback takes 20 ms, well inside the
+    # 0.1 s drain init() registers at exit, and without it this run aborted in 8 of 8 tries.
+    from test_comm_dist import _free_port
+    from test_comm_launch import _clean_env
+
+    script = tmp_path / "job.py"
+    script.write_text(EXIT_SCRIPT)
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, str(script), "0.02"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, env={**_clean_env(), "RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r),
+                                              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+             for r in range(2)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert all("sum 2.0" in out for out in outs), outs
+
 # -- a full file system ------------------------------------------------------------------------
 def _mlp_engine(config: Config | None = None, loss_fn=F.cross_entropy, path=None) -> Engine:
     torch.manual_seed(0)

@@ -11,8 +11,10 @@ torchrun, Open MPI, MPICH/Intel MPI (PMI) and Slurm each name rank and world siz
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
+import time
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -149,6 +151,32 @@ def _device_for(backend: str, local_rank: int) -> torch.device:
 
 _INFO: DistInfo | None = None
 
+#: How long the exit handler releases the GIL for gloo's worker threads (their last releases take microseconds).
+EXIT_DRAIN_S = 0.1
+
+
+def _drain_at_exit() -> None:
+    """Give gloo's worker threads the GIL once more before the interpreter starts to finalize.
+
+    A gloo collective completes on one of the group's worker threads, which then drops its references
+    to the work and to the Python callback a comm hook chained onto it (``.then``); both need the GIL.
+    When the script ends right after the last step, the main thread can reach interpreter shutdown
+    first, and a thread that asks for the GIL then is ended inside a C++ destructor: the rank aborts
+    after its work is done ("terminate called without an active exception", exit -6: 3 of 60
+    two-rank Engine runs here, 2 of 60 with ``destroy_process_group`` at the end, 0 of 80 with this
+    handler; benchmarks/2026-12-07-exit-abort). Exit handlers run before that point, so sleeping
+    here lets those releases happen while the interpreter is whole.
+    """
+    time.sleep(EXIT_DRAIN_S)
+
+
+def _drain_gloo_at_exit(backend: str) -> None:
+    # NCCL marks a work's future done on the thread that issued it (the device orders the rest), so
+    # its callbacks run and are released there; gloo's run on the group's own threads.
+    if backend == "gloo":
+        atexit.unregister(_drain_at_exit)  # once, however many times init() is called
+        atexit.register(_drain_at_exit)
+
 
 def _current_info() -> DistInfo:
     # A group made outside init() (or remade after destroy) is described from torch itself.
@@ -180,6 +208,7 @@ def init(backend: str | None = None, timeout_s: float = 300.0) -> DistInfo:
                 f"torch.distributed is already running on {info.backend!r}, not {backend!r}; call "
                 "init() with the same backend (or None), or destroy the process group first"
             )
+        _drain_gloo_at_exit(info.backend)
         return info
     launch = read_launch_env()
     backend = _pick_backend(backend)
@@ -198,4 +227,5 @@ def init(backend: str | None = None, timeout_s: float = 300.0) -> DistInfo:
         **({"device_id": device} if device.type == "cuda" else {}),
     )
     _INFO = DistInfo(launch.rank, launch.world_size, launch.local_rank, backend, device, launch.launcher)
+    _drain_gloo_at_exit(backend)
     return _INFO
