@@ -87,6 +87,48 @@ def test_recompile_budget_warns_once(monkeypatch):
         assert not check_recompile_budget(count=limit + 5)
 
 
+def _with_a_graph_break(x):
+    y = x.sin()
+    if bool((y > 0).all()):  # data-dependent: Dynamo splits the function into two graphs here
+        y = y + 1
+    return y.cos()
+
+
+def _with_another_graph_break(x):
+    y = x.cos()
+    if bool((y < 2).all()):
+        y = y * 2
+    return y.sin()
+
+
+def _per_shape(x):
+    return x.sin().cos()
+
+
+def test_recompile_budget_counts_graphs_per_function_and_names_the_one_near_the_limit(monkeypatch):
+    # A model with graph breaks holds several functions of one graph each: not a reason to warn
+    # (the process count did warn here, with advice about sequence lengths that did not apply).
+    torch._dynamo.reset()
+    monkeypatch.setattr(fcompile, "_WARNED", [False])
+    with torch._dynamo.config.patch(recompile_limit=4):
+        _near_the_limit_only_per_function()
+    torch._dynamo.reset()
+
+
+def _near_the_limit_only_per_function():
+    for f in (_with_a_graph_break, _with_another_graph_break):  # two functions and their resumes, a graph each
+        torch.compile(f, dynamic=False)(torch.randn(4))
+    assert recompile_count() >= 0.75 * 4  # what the warning counted before
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not check_recompile_budget()
+    compiled = torch.compile(_per_shape, dynamic=False)
+    for n in (3, 5, 7):  # one graph per shape, all for one function
+        compiled(torch.randn(n))
+    with pytest.warns(UserWarning, match=r"3 graphs compiled for _per_shape \(.*test_fusion_compile.py:\d+\)"):
+        assert check_recompile_budget()
+
+
 def test_repeated_low_precision_reductions_become_copies_of_the_first():
     from torch.fx.experimental.proxy_tensor import make_fx
 

@@ -20,7 +20,8 @@ from ..batch import bucket_length
 from ..plan import Transform
 from .ops._kernels import epilogue_frames
 
-__all__ = ["bucket_length", "recompile_count", "recompile_limit", "check_recompile_budget", "CompileTransform"]
+__all__ = ["bucket_length", "recompile_count", "recompile_limit", "check_recompile_budget", "most_compiled_function",
+           "CompileTransform"]
 
 _WARNED = [False]
 #: Warn when this fraction of the recompile limit is used up.
@@ -41,19 +42,47 @@ def recompile_limit() -> int:
     return int(getattr(config, "recompile_limit", None) or config.cache_size_limit)
 
 
-def check_recompile_budget(count: int | None = None) -> bool:
-    """Warn once when the compiled graphs approach the recompile limit; True when it warned now.
+def most_compiled_function() -> tuple[int, str] | None:
+    """The function Dynamo holds the most graphs for, as (graphs, "name (file:line)"), or None.
 
-    The limit is per function while the count is for the process, so this errs on the early side
-    for a model with graph breaks, which is the right side to err on.
+    The recompile limit applies per function (per code object, each with its own cache of graphs);
+    a model with graph breaks has several such functions of one graph each, which is no cause for
+    alarm. None where this torch does not expose the per-code caches (private APIs, read defensively).
     """
-    count = recompile_count() if count is None else count
+    try:
+        from torch._dynamo.convert_frame import input_codes
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    except ImportError:
+        return None
+    best = None
+    for ref in list(getattr(input_codes, "seen", ())):
+        code = ref() if callable(ref) else None
+        if code is None:
+            continue
+        graphs = len(_debug_get_cache_entry_list(code))
+        if best is None or graphs > best[0]:
+            best = (graphs, f"{code.co_name} ({code.co_filename}:{code.co_firstlineno})")
+    return best
+
+
+def check_recompile_budget(count: int | None = None) -> bool:
+    """Warn once when a compiled function's graphs approach the recompile limit; True when it warned now.
+
+    The limit is per function: the count is the most graphs any one function holds, named in the
+    warning. Where torch does not expose that, the process's graph count stands in, which errs on the
+    early side for a model with graph breaks.
+    """
+    where = ""
+    if count is None:
+        most = most_compiled_function()
+        count, where = most if most is not None else (recompile_count(), "")
     limit = recompile_limit()
     if _WARNED[0] or count < _WARN_FRACTION * limit:
         return False
     _WARNED[0] = True
+    subject = f"{count} graphs compiled for {where}" if where else f"{count} graphs compiled so far"
     warnings.warn(
-        f"{count} graphs compiled so far, and torch.compile stops recompiling a function after "
+        f"{subject}, and torch.compile stops recompiling a function after "
         f"{limit} (torch._dynamo.config.recompile_limit) and then runs it uncompiled. Varying "
         "sequence lengths are the usual cause: set Config(seq_buckets=(...)) so batches are padded "
         "to a few lengths, or compile with dynamic=True.",
