@@ -307,8 +307,13 @@ class CompileTransform(Transform):
         return run_compiled
 
     def describe(self) -> str:
-        attention = ("scaled_dot_product_attention as compiled plain attention" + self._attention_reason
-                     if self.attention else "stock scaled_dot_product_attention")
+        if self.attention is None:  # auto, decided when the first step knows the device and dtype
+            attention = ("scaled_dot_product_attention chosen at the first step (compiled plain attention "
+                         "on a CPU in bf16, else the stock kernel)")
+        elif self.attention:
+            attention = "scaled_dot_product_attention as compiled plain attention" + self._attention_reason
+        else:
+            attention = "stock scaled_dot_product_attention"
         if self._mode is not None and self._mode.left_to_stock:
             attention += "; calls left to the stock kernel: " + "; ".join(sorted(self._mode.left_to_stock))
         return f"compile: forward and loss as one graph; {attention}"
