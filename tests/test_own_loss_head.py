@@ -82,7 +82,7 @@ def test_the_models_own_cross_entropy_is_fused_with_its_ignore_index_and_reducti
     assert fused == pytest.approx(stock, rel=1e-5)
 
 
-@pytest.mark.parametrize("what, reason", [("smoothing", "label_smoothing"), ("slice", "no cross-entropy on the whole")])
+@pytest.mark.parametrize("what, reason", [("smoothing", "smoothing"), ("slice", "no cross-entropy on the whole")])
 def test_a_cross_entropy_the_fused_head_cannot_compute_rolls_it_back_with_the_reason(what, reason):
     engine, losses = train(what, ("linear_cross_entropy",))
     head = engine._transform("fusion").loss_head

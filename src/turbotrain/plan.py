@@ -204,13 +204,38 @@ def _logits_of(output) -> Optional[torch.Tensor]:
     return None
 
 
+_LOG_SOFTMAX_FUNCS = (torch.nn.functional.log_softmax, torch.log_softmax, torch.Tensor.log_softmax)
+
+
+class _LogSoftmaxOfHead(torch.overrides.TorchFunctionMode):
+    """Records, into ``outputs``, a log-softmax over the last dimension of a recorded Linear output
+    under that Linear's name: a model that returns log-probabilities (``F.log_softmax(decoder(h), -1)``
+    for an NLL loss, as PyTorch's word-language-model example does) has that Linear as its head."""
+
+    def __init__(self, outputs: dict):
+        super().__init__()
+        self.outputs = outputs
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func in _LOG_SOFTMAX_FUNCS and args and isinstance(args[0], torch.Tensor) and isinstance(out, torch.Tensor):
+            x = args[0]
+            dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+            found = self.outputs.get(x.data_ptr())
+            if found is not None and found[1]() is not None and dim is not None and dim % x.dim() == x.dim() - 1:
+                self.outputs[out.data_ptr()] = (found[0], weakref.ref(out))
+        return out
+
+
 def find_head(model: nn.Module, run=None) -> Optional[str]:
     """The qualified name of the Linear whose output is the logits the model returns.
 
     Found by data flow when ``run`` (a callable that runs the model once) is given: every Linear's
-    output is recorded and compared with the returned logits. Without it, or when the logits are
-    not a Linear's output, a Hugging Face model's ``get_output_embeddings()`` is asked; there is no
-    guessing by names.
+    output is recorded and compared with the returned logits (or log-probabilities: the log-softmax
+    over the last dimension of a Linear's output, or of a view of it). Without it, or when the logits
+    are not a Linear's output, a Hugging Face model's ``get_output_embeddings()`` is asked; there is
+    no guessing by names.
     """
     if run is not None:
         # Each Linear's output by address, with a weak reference: an output freed during the forward
@@ -223,7 +248,7 @@ def find_head(model: nn.Module, run=None) -> Optional[str]:
                     lambda mod, args, out, name=name: outputs.__setitem__(out.data_ptr(), (name, weakref.ref(out)))
                     if isinstance(out, torch.Tensor) else None))
         try:
-            with torch.no_grad(), leaves_no_trace(model):
+            with torch.no_grad(), leaves_no_trace(model), _LogSoftmaxOfHead(outputs):
                 logits = _logits_of(run())
         finally:
             for h in handles:

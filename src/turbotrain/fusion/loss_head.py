@@ -267,6 +267,8 @@ _CARRIERS = frozenset({
     "NarrowBackward0",
 })
 _LOG_SOFTMAX = frozenset({"LogSoftmaxBackward0"})
+#: Ops that take each row's target entry of the log-probabilities (nll_loss, gather, indexing by the targets).
+_TARGET_PICKS = frozenset({"NllLossBackward0", "NllLoss2dBackward0", "GatherBackward0", "IndexBackward0"})
 
 
 def _is_identity_scale(node) -> bool:
@@ -310,12 +312,12 @@ def logits_feed_only_the_log_softmax(loss: Tensor, logits: Tensor) -> str:
     reaches[target] = True
     if not reaches_target(loss.grad_fn):
         return "the logits do not reach the loss in its autograd graph"
-    seen, stack = set(), [(loss.grad_fn, False)]
+    seen, stack = set(), [(loss.grad_fn, False, False)]
     while stack:
-        node, below = stack.pop()
-        if (node, below) in seen:
+        node, below, picked = stack.pop()
+        if (node, below, picked) in seen:
             continue
-        seen.add((node, below))
+        seen.add((node, below, picked))
         if node is target:
             if not below:
                 return "the logits reach the loss other than through cross-entropy's log-softmax"
@@ -323,8 +325,17 @@ def logits_feed_only_the_log_softmax(loss: Tensor, logits: Tensor) -> str:
         name = type(node).__name__
         if below and name not in _CARRIERS and not _is_identity_scale(node):
             return f"the logits pass through {name.removesuffix('Backward0')} before the loss's log-softmax"
+        if not below and name in _LOG_SOFTMAX and not picked:
+            # a term over every class's log-probability: label smoothing (F.cross_entropy's or written
+            # out), whose gradient share (~the smoothing factor) a bf16 check's 20 dB can let through
+            return ("the loss uses the log-probabilities of classes other than the target (label smoothing, "
+                    "or a sum over the classes), which the fused cross-entropy does not compute")
+        if name in ("NllLossBackward0", "NllLoss2dBackward0") and getattr(node, "_saved_weight", None) is not None:
+            return "the loss weights the classes (cross-entropy's weight=), which the fused cross-entropy does not"
         now_below = below or name in _LOG_SOFTMAX
-        stack.extend((c, now_below) for c, _ in node.next_functions if c is not None and reaches.get(c, False))
+        now_picked = picked or name in _TARGET_PICKS
+        stack.extend((c, now_below, now_picked) for c, _ in node.next_functions
+                     if c is not None and reaches.get(c, False))
     return ""
 
 
