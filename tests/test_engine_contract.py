@@ -542,13 +542,28 @@ def _nll_by_index(out, y):
     return -logp[torch.arange(logp.shape[0]), y.reshape(-1)].mean()
 
 
+def _masked_mean(out, y):  # per-token losses masked by something other than the targets
+    per_token = F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1), reduction="none")
+    keep = (torch.arange(per_token.numel()) % 8 < 6).float()
+    return (per_token * keep).sum() / keep.sum()
+
+
+def _twice(out, y):
+    flat, y = out.reshape(-1, out.shape[-1]), y.reshape(-1)
+    return F.cross_entropy(flat, y) + 0.01 * F.cross_entropy(flat[:4], y[:4])
+
+
 @pytest.mark.parametrize("loss_fn, refused", [
     (_smoothed, "label smoothing"), (_smoothed_by_hand, "label smoothing"), (_class_weights, "weights the classes"),
-    (lambda out, y: F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1)), None), (_nll_by_index, None),
-], ids=["label-smoothing", "smoothing-by-hand", "class-weights", "cross-entropy", "nll-by-index"])
-def test_a_loss_that_smooths_labels_or_weights_classes_keeps_its_head(loss_fn, refused):
+    (_nll_by_index, "picks the targets' log-probabilities itself"), (_masked_mean, "per-token losses"),
+    (_twice, "2 cross-entropy terms"),
+    (lambda out, y: F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1)), None),
+], ids=["label-smoothing", "smoothing-by-hand", "class-weights", "nll-by-index", "masked-mean", "twice",
+        "cross-entropy"])
+def test_a_loss_the_fused_head_would_not_reproduce_on_every_batch_keeps_its_head(loss_fn, refused):
     # In bf16 a smoothing of 0.05 moves the head's gradient by about 26 dB and the loss by 2e-4: the
-    # numerical check (20 dB, 2e-2) fused it, and the smoothing was dropped without a word.
+    # numerical check (20 dB, 2e-2) fused it, and the smoothing was dropped without a word. A mask or
+    # per-token weights agree with the fused mean on a first batch without padding, and not after.
     torch.manual_seed(0)
     model = TupleLM("logits", vocab=512)
     engine = Engine(model, torch.optim.AdamW(model.parameters(), lr=1e-3), loss_fn,
@@ -559,3 +574,26 @@ def test_a_loss_that_smooths_labels_or_weights_classes_keeps_its_head(loss_fn, r
         assert head.fused, head.reason
     else:
         assert not head.fused and refused in head.reason, head.reason
+
+
+@pytest.mark.parametrize("ignore_index, reduction", [(-1, "mean"), (-100, "sum"), (-1, "sum")])
+def test_the_fused_head_takes_the_losss_ignore_index_and_reduction(ignore_index, reduction):
+    # The first batch has nothing to ignore, so the set-up check passes whatever the fused head
+    # ignores; the later batches' padding (-1, as nanoGPT pads) must then be ignored as the loss does.
+    def loss_fn(out, y):
+        return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1), ignore_index=ignore_index,
+                               reduction=reduction)
+
+    batches = _tuple_batches(3)
+    batches[1][1][:, 5:] = ignore_index
+    batches[2][1][:, 2:] = ignore_index
+    losses = {}
+    for fuse in (False, True):
+        torch.manual_seed(0)
+        model = TupleLM()
+        engine = Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn,
+                        config=Config(device="cpu", precision="fp32", fuse=("linear_cross_entropy",) if fuse else None))
+        losses[fuse] = [float(engine.step(b).loss) for b in batches]
+        if fuse:
+            assert engine._transform("fusion").loss_head.fused
+    assert losses[True] == pytest.approx(losses[False], rel=1e-5)

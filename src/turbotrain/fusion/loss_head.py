@@ -55,9 +55,9 @@ LOSS_TOLERANCES = {
 NO_HEAD = "no Linear produces the logits the model returns"
 
 
-def shift_left(targets: Tensor) -> Tensor:
-    """targets[:, 1:] padded with IGNORE_INDEX at the end: position t is scored on token t+1."""
-    pad = torch.full_like(targets[:, :1], IGNORE_INDEX)
+def shift_left(targets: Tensor, ignore_index: int = IGNORE_INDEX) -> Tensor:
+    """targets[:, 1:] padded with ``ignore_index`` at the end: position t is scored on token t+1."""
+    pad = torch.full_like(targets[:, :1], ignore_index)
     return torch.cat([targets[:, 1:], pad], dim=1)
 
 
@@ -69,13 +69,15 @@ class FusedLossHead(nn.Module):
     :class:`OwnLossMode` catches and returns the placeholder.
     """
 
-    def __init__(self, linear: nn.Linear, shift: bool, chunk_rows: Optional[int] = None):
+    def __init__(self, linear: nn.Linear, shift: bool, chunk_rows: Optional[int] = None,
+                 ignore_index: int = IGNORE_INDEX, reduction: str = "mean"):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
         self.shift = shift
         self.chunk_rows = chunk_rows
+        self.ignore_index, self.reduction = ignore_index, reduction  # of the loss it replaces
         self._targets: Optional[Tensor] = None
         self._loss: Optional[Tensor] = None
         self._own = False
@@ -118,8 +120,10 @@ class FusedLossHead(nn.Module):
         else:
             self._targets = None
             if self.shift:
-                targets = shift_left(targets)
-            self._loss = linear_cross_entropy(*self._operands(x), targets, IGNORE_INDEX, self.chunk_rows)
+                targets = shift_left(targets, self.ignore_index)
+            self._loss = linear_cross_entropy(*self._operands(x), targets, self.ignore_index, self.chunk_rows)
+            if self.reduction == "sum":
+                self._loss = self._loss * (targets != self.ignore_index).sum()
         # The model goes on with a placeholder of the logits' shape that costs no memory.
         return x.new_zeros(()).expand(*x.shape[:-1], self.out_features)
 
@@ -267,8 +271,12 @@ _CARRIERS = frozenset({
     "NarrowBackward0",
 })
 _LOG_SOFTMAX = frozenset({"LogSoftmaxBackward0"})
-#: Ops that take each row's target entry of the log-probabilities (nll_loss, gather, indexing by the targets).
-_TARGET_PICKS = frozenset({"NllLossBackward0", "NllLoss2dBackward0", "GatherBackward0", "IndexBackward0"})
+_NLL = frozenset({"NllLossBackward0", "NllLoss2dBackward0"})
+#: Per-token picks of the target's log-probability, whose weighting or masking before the mean the
+#: fused head cannot follow (a first batch without padding would not show the difference).
+_PER_TOKEN_PICKS = frozenset({"GatherBackward0", "IndexBackward0"})
+#: nll_loss's reduction as its autograd node saves it (torch's Reduction enum).
+_REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
 
 
 def _is_identity_scale(node) -> bool:
@@ -279,14 +287,18 @@ def _is_identity_scale(node) -> bool:
     return isinstance(other, Tensor) and other.numel() == 1 and float(other) == 1.0
 
 
-def logits_feed_only_the_log_softmax(loss: Tensor, logits: Tensor) -> str:
+def logits_feed_only_the_log_softmax(loss: Tensor, logits: Tensor, nll: Optional[list] = None) -> str:
     """Why the fused head would not compute what ``loss`` computes from ``logits``, or "" if it would.
 
     The fused kernel is cross-entropy on the head's raw output. So on every path of the autograd graph
     from the loss down to the logits, the ops below the log-softmax of cross-entropy may only carry the
     logits (views, casts, copies, selections), never transform them: a soft cap (``tanh(z/c)*c``),
     a temperature or logit scale, a z-loss on the logits, all of which a loss check at initialisation
-    (small logits) can miss, are refused here.
+    (small logits) can miss, are refused here. So are losses that use more of the log-probabilities
+    than the target's (label smoothing), weigh the classes, or weigh or mask the per-token losses
+    themselves (``reduction='none'``, ``gather``): a first batch can agree with the fused loss by
+    chance (no padding in it) where later ones would not. ``nll`` collects the nll_loss nodes (their
+    ignore_index and reduction are the fused loss's).
     """
     target = logits.grad_fn
     if target is None or loss.grad_fn is None:
@@ -330,10 +342,19 @@ def logits_feed_only_the_log_softmax(loss: Tensor, logits: Tensor) -> str:
             # out), whose gradient share (~the smoothing factor) a bf16 check's 20 dB can let through
             return ("the loss uses the log-probabilities of classes other than the target (label smoothing, "
                     "or a sum over the classes), which the fused cross-entropy does not compute")
-        if name in ("NllLossBackward0", "NllLoss2dBackward0") and getattr(node, "_saved_weight", None) is not None:
-            return "the loss weights the classes (cross-entropy's weight=), which the fused cross-entropy does not"
+        if not picked and name in _PER_TOKEN_PICKS:
+            return ("the loss picks the targets' log-probabilities itself (gather or indexing) and may weigh or "
+                    "mask them, which the fused cross-entropy does not follow; use F.cross_entropy or F.nll_loss")
+        if not picked and name in _NLL:
+            if getattr(node, "_saved_weight", None) is not None:
+                return "the loss weights the classes (cross-entropy's weight=), which the fused cross-entropy does not"
+            if _REDUCTIONS.get(getattr(node, "_saved_reduction", 1)) not in ("mean", "sum"):
+                return ("the loss keeps per-token losses (reduction='none') and reduces them itself, which the "
+                        "fused cross-entropy does not follow")
+            if nll is not None:
+                nll.append(node)
         now_below = below or name in _LOG_SOFTMAX
-        now_picked = picked or name in _TARGET_PICKS
+        now_picked = picked or name in _NLL
         stack.extend((c, now_below, now_picked) for c, _ in node.next_functions
                      if c is not None and reaches.get(c, False))
     return ""
@@ -361,10 +382,23 @@ def loss_has_no_other_term(loss: Tensor, logits: Tensor) -> str:
     return ""
 
 
+def _nll_settings(nodes: list) -> tuple[dict, str]:
+    """The (ignore_index, reduction) the fused loss must use, from the loss's nll_loss node; or why not."""
+    if len(nodes) != 1:
+        return {}, f"the loss has {len(nodes)} cross-entropy terms on the logits, not one"
+    node = nodes[0]
+    ignore = int(getattr(node, "_saved_ignore_index", IGNORE_INDEX))
+    if ignore >= 2**63:  # torch 2.13's autograd node hands the saved int64 back as unsigned (-1 as 2**64 - 1)
+        ignore -= 2**64
+    return {"ignore_index": ignore,
+            "reduction": _REDUCTIONS[getattr(node, "_saved_reduction", 1)]}, ""
+
+
 def _run(model, head, contract: LossContract, batch: Batch, context, fused: Optional[FusedLossHead]):
     """Loss and head-weight gradient of one seeded run; for the stock run also why the fused head would
-    compute something else ("" if not), read off the autograd graph before the gradient frees it."""
-    seen = []
+    compute something else ("" if not), read off the autograd graph before the gradient frees it, and
+    the ignore_index and reduction of its cross-entropy."""
+    seen, nll, settings = [], [], {}
     hook = head.register_forward_hook(lambda mod, args, out: seen.append(out)) if fused is None else None
     try:
         with leaves_no_trace(model):
@@ -381,16 +415,17 @@ def _run(model, head, contract: LossContract, batch: Batch, context, fused: Opti
                     loss = fused.take_loss()
             why = ""
             if fused is None and len(seen) == 1 and isinstance(seen[0], Tensor):
-                why = logits_feed_only_the_log_softmax(loss, seen[0])
-                if not why and not own_loss_batch(batch):  # there the model's own extra terms stay
-                    why = loss_has_no_other_term(loss, seen[0])
+                why = logits_feed_only_the_log_softmax(loss, seen[0], nll)
+                if not why and not own_loss_batch(batch):  # the model's own loss keeps its own terms and settings
+                    settings, why = _nll_settings(nll)
+                    why = why or loss_has_no_other_term(loss, seen[0])
             elif fused is None:
                 why = f"the head ran {len(seen)} times in one forward"
             (grad,) = torch.autograd.grad(loss, [head.weight])
     finally:
         if hook is not None:
             hook.remove()
-    return loss.detach().float(), grad.detach(), why
+    return loss.detach().float(), grad.detach(), why, settings
 
 
 def _unfit(model: nn.Module, head_path: str, example: Batch) -> str:
@@ -438,7 +473,7 @@ def install_loss_head(model: nn.Module, head_path: str, contract: LossContract, 
     owner_path, _, name = head_path.rpartition(".")
     owner = model.get_submodule(owner_path)
     sample = _first_rows(example, 2)
-    ref_loss, ref_grad, why = _run(model, head, contract, sample, context, None)
+    ref_loss, ref_grad, why, settings = _run(model, head, contract, sample, context, None)
     if why:
         return LossHeadResult(head_path, False, why), None
     rel_bound, sqnr_bound = LOSS_TOLERANCES.get(run_dtype, LOSS_TOLERANCES[torch.float32])
@@ -449,10 +484,10 @@ def install_loss_head(model: nn.Module, head_path: str, contract: LossContract, 
     for shift in shifts:
         if shift and targets.dim() < 2:
             continue
-        fused = FusedLossHead(head, shift)
+        fused = FusedLossHead(head, shift, **settings)
         setattr(owner, name, fused)
         try:
-            loss, grad, _ = _run(model, fused, contract, sample, context, fused)
+            loss, grad, _, _ = _run(model, fused, contract, sample, context, fused)
         except Exception as exc:  # noqa: BLE001 - the user's forward may not run this way; report it
             setattr(owner, name, head)
             return LossHeadResult(head_path, False, f"the fused head could not run ({type(exc).__name__}: {exc})"), None
