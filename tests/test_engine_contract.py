@@ -584,9 +584,11 @@ def test_the_fused_head_takes_the_losss_ignore_index_and_reduction(ignore_index,
         return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1), ignore_index=ignore_index,
                                reduction=reduction)
 
-    batches = _tuple_batches(3)
+    batches = _tuple_batches(4)
     batches[1][1][:, 5:] = ignore_index
     batches[2][1][:, 2:] = ignore_index
+    if reduction == "sum":  # a batch of padding only: a summed loss of 0, nothing learned (not NaN)
+        batches[3][1][:] = ignore_index
     losses = {}
     for fuse in (False, True):
         torch.manual_seed(0)

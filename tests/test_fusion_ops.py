@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from turbotrain.errors import FusionError
@@ -189,6 +190,23 @@ def test_linear_cross_entropy_names_an_out_of_range_target(bad):
     targets = torch.tensor([1, -100, bad, 3])
     with pytest.raises(FusionError, match=f"target {bad} is outside the vocabulary"):
         linear_cross_entropy(torch.randn(4, 8), torch.randn(10, 8), None, targets)
+
+
+@pytest.mark.parametrize("targets", [[1, -1, 3, -1, 0, 7], [-1] * 6], ids=["some-ignored", "all-ignored"])
+def test_linear_cross_entropy_sums_as_f_cross_entropy_does(targets):
+    # reduction='sum': every target ignored gives 0 with zero gradients (as torch does), not 0 * NaN
+    targets = torch.tensor(targets)
+    g = torch.Generator().manual_seed(0)
+    h, w, b = (torch.randn(*shape, generator=g, requires_grad=True) for shape in ((6, 8), (10, 8), (10,)))
+    loss = linear_cross_entropy(h, w, b, targets, ignore_index=-1, chunk_rows=4, reduction="sum")
+    grads = torch.autograd.grad(loss, (h, w, b))
+    ref = F.cross_entropy(F.linear(h, w, b), targets, ignore_index=-1, reduction="sum")
+    ref_grads = torch.autograd.grad(ref, (h, w, b))
+    torch.testing.assert_close(loss, ref)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want)
+    with pytest.raises(FusionError, match="reduction='none'"):
+        linear_cross_entropy(h, w, b, targets, reduction="none")
 
 
 def check_fp16_loss_scale(device, chunk_rows=None, rows=512, vocab=1000, dim=64, scale=2.0**16):

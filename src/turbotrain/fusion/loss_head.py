@@ -121,9 +121,8 @@ class FusedLossHead(nn.Module):
             self._targets = None
             if self.shift:
                 targets = shift_left(targets, self.ignore_index)
-            self._loss = linear_cross_entropy(*self._operands(x), targets, self.ignore_index, self.chunk_rows)
-            if self.reduction == "sum":
-                self._loss = self._loss * (targets != self.ignore_index).sum()
+            self._loss = linear_cross_entropy(*self._operands(x), targets, self.ignore_index, self.chunk_rows,
+                                              self.reduction)
         # The model goes on with a placeholder of the logits' shape that costs no memory.
         return x.new_zeros(()).expand(*x.shape[:-1], self.out_features)
 
@@ -140,10 +139,7 @@ class FusedLossHead(nn.Module):
         x, w, b = self._input
         rows = x.reshape(-1, x.shape[-1])
         target = target.reshape(-1)
-        loss = linear_cross_entropy(rows, w, b, target, ignore_index, self.chunk_rows)
-        if reduction == "sum":
-            loss = loss * (target != ignore_index).sum()
-        return loss
+        return linear_cross_entropy(rows, w, b, target, ignore_index, self.chunk_rows, reduction)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

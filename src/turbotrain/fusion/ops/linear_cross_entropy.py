@@ -110,13 +110,13 @@ def _check_targets(targets: Tensor, vocab: int, ignore_index: int) -> None:
 
 @torch.library.custom_op("turbotrain::linear_cross_entropy", mutates_args=())
 def _lce(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor, ignore_index: int,
-         chunk_rows: int, need_h: bool, need_w: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+         chunk_rows: int, need_h: bool, need_w: bool, mean: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     h2 = hidden.reshape(-1, hidden.shape[-1])
     t = targets.reshape(-1)
     _check_targets(t, weight.shape[0], ignore_index)
     # 1/n_valid stays a tensor: no host sync; with every target ignored it is inf and the loss NaN,
-    # as F.cross_entropy gives.
-    scale = 1.0 / (t != ignore_index).sum().float()
+    # as F.cross_entropy gives (its sum is then 0, with zero gradients: scale 1 here too).
+    scale = 1.0 / (t != ignore_index).sum().float() if mean else 1.0
     f32 = dict(dtype=torch.float32, device=hidden.device)
     loss_sum = torch.zeros((), **f32)
     grad_h = torch.empty(h2.shape, **f32) if need_h else h2.new_empty(0, dtype=torch.float32)
@@ -158,7 +158,7 @@ def _lce(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor
 
 
 @_lce.register_fake
-def _(hidden, weight, bias, targets, ignore_index, chunk_rows, need_h, need_w):
+def _(hidden, weight, bias, targets, ignore_index, chunk_rows, need_h, need_w, mean=True):
     f32 = torch.float32  # the saved gradients are FP32 whatever the inputs (module docstring)
     loss = hidden.new_empty((), dtype=f32)
     grad_h = torch.empty_like(hidden, dtype=f32) if need_h else hidden.new_empty(0, dtype=f32)
@@ -181,22 +181,23 @@ def _autograd_backward(ctx, grad_loss, *unused):
     grad_loss = grad_loss.float()
     grads = tuple((g * grad_loss).to(dtype) if need else None
                   for g, dtype, need in zip(saved, ctx.dtypes, needed))
-    return (*grads, None, None, None, None, None)
+    return (*grads, None, None, None, None, None, None)
 
 
 _lce.register_autograd(_autograd_backward, setup_context=_setup_context)
 
 
 @register_flop_formula(torch.ops.turbotrain.linear_cross_entropy)
-def _lce_flops(h_shape, w_shape, b_shape, t_shape, ignore_index, chunk_rows, need_h, need_w, **kw) -> int:
+def _lce_flops(h_shape, w_shape, b_shape, t_shape, ignore_index, chunk_rows, need_h, need_w, mean=True, **kw) -> int:
     # The logits GEMM plus the gradient GEMMs, which this op runs in its forward.
     gemm = 2 * math.prod(h_shape[:-1]) * w_shape[0] * w_shape[1]
     return gemm * (1 + int(need_h) + int(need_w))
 
 
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor,
-                         ignore_index: int = -100, chunk_rows: Optional[int] = None) -> Tensor:
-    """Mean cross-entropy of ``hidden @ weight^T + bias`` against ``targets``, in chunks of rows.
+                         ignore_index: int = -100, chunk_rows: Optional[int] = None, reduction: str = "mean") -> Tensor:
+    """Mean (or, with ``reduction="sum"``, summed) cross-entropy of ``hidden @ weight^T + bias`` against
+    ``targets``, in chunks of rows.
 
     >>> h, w, t = torch.randn(6, 8), torch.randn(20, 8), torch.tensor([1, 2, -100, 4, 5, 6])
     >>> torch.allclose(linear_cross_entropy(h, w, None, t), linear_cross_entropy_reference(h, w, None, t))
@@ -216,7 +217,10 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
     need_w = grad_on and weight.requires_grad
     if bias is not None and grad_on and not bias.requires_grad:
         bias = bias.detach()
-    out = _lce(hidden.contiguous(), weight, bias, targets.long(), ignore_index, chunk, need_h, need_w)
+    if reduction not in ("mean", "sum"):
+        raise FusionError(f"reduction={reduction!r}: the fused cross-entropy reduces by 'mean' or 'sum'")
+    out = _lce(hidden.contiguous(), weight, bias, targets.long(), ignore_index, chunk, need_h, need_w,
+               reduction == "mean")
     return out[0]
 
 
