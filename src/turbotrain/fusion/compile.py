@@ -24,6 +24,7 @@ __all__ = ["bucket_length", "recompile_count", "recompile_limit", "check_recompi
            "CompileTransform"]
 
 _WARNED = [False]
+_FRAMES_AT_LAST_CHECK = [-1]  # Dynamo's frame count when check_recompile_budget last looked
 #: Warn when this fraction of the recompile limit is used up.
 _WARN_FRACTION = 0.75
 
@@ -72,12 +73,22 @@ def check_recompile_budget(count: int | None = None) -> bool:
     warning. Where torch does not expose that, the process's graph count stands in, which errs on the
     early side for a model with graph breaks.
     """
+    if _WARNED[0]:
+        return False
     where = ""
     if count is None:
+        # Called every step: the per-code caches only change when Dynamo converts a frame, so the
+        # walk over every code it has seen runs only after one did.
+        from torch._dynamo.utils import counters
+
+        frames = counters["frames"]["total"]
+        if frames == _FRAMES_AT_LAST_CHECK[0]:
+            return False
+        _FRAMES_AT_LAST_CHECK[0] = frames
         most = most_compiled_function()
         count, where = most if most is not None else (recompile_count(), "")
     limit = recompile_limit()
-    if _WARNED[0] or count < _WARN_FRACTION * limit:
+    if count < _WARN_FRACTION * limit:
         return False
     _WARNED[0] = True
     subject = f"{count} graphs compiled for {where}" if where else f"{count} graphs compiled so far"
