@@ -138,6 +138,34 @@ def test_a_dict_batch_is_passed_as_keywords_and_the_models_own_loss_trains():
     assert losses[-1] < 0.5 * losses[0]
 
 
+class PlainDictOutput(nn.Module):
+    """A user's model that takes its own key names and returns a plain dict with a "loss" entry."""
+
+    def __init__(self, vocab=32, d=16):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, tokens, targets=None):
+        logits = self.head(self.emb(tokens))
+        out = {"logits": logits}
+        if targets is not None:
+            out["loss"] = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        return out
+
+
+def test_a_model_returning_a_plain_dict_trains_on_its_loss_entry():
+    torch.manual_seed(0)
+    model = PlainDictOutput()
+    engine = Engine(model, torch.optim.AdamW(model.parameters(), lr=3e-2), config=Config(device="cpu"))
+    x = ids()
+    losses = [float(engine.step({"tokens": x, "targets": x}).loss) for _ in range(20)]
+    assert losses[-1] < 0.5 * losses[0]
+    with pytest.raises(ConfigError, match="returned a dict with no 0-d loss tensor; return the loss"):
+        engine.step({"tokens": x})  # no targets, so no "loss" entry
+    assert engine.steps == 20
+
+
 def test_a_dict_batch_with_a_loss_fn_gets_the_whole_batch():
     model = DictModel()
     got = {}

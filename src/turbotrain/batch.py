@@ -9,8 +9,8 @@ A batch is one of:
   through; the loss is ``loss_fn(output, batch)``, or without a loss_fn the model's own;
 - a single tensor: ``model(batch)``, and the loss is ``loss_fn(output)`` or the model's own.
 
-The model's own loss is ``output.loss`` (Hugging Face), a 0-d tensor output, or the first 0-d
-floating tensor of a tuple output. Whatever the source, a loss must be a 0-d floating tensor that
+The model's own loss is ``output.loss`` (Hugging Face), ``output["loss"]`` of a dict, a 0-d tensor
+output, or the first 0-d floating tensor of a tuple output. Whatever the source, a loss must be a 0-d floating tensor that
 requires grad; anything else is a ConfigError naming what came back.
 """
 
@@ -99,8 +99,11 @@ def as_batch(batch, device: torch.device, has_loss_fn: bool) -> Batch:
 
 
 def model_loss(output) -> torch.Tensor:
-    """The loss a model computed itself: ``output.loss``, a 0-d tensor, or a tuple's 0-d tensor."""
+    """The loss a model computed itself: ``output.loss``, a dict's ``"loss"``, a 0-d tensor, or a tuple's
+    0-d tensor."""
     loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, Mapping):
+        loss = output.get("loss")
     if isinstance(loss, torch.Tensor):
         return loss
     if isinstance(output, torch.Tensor):
@@ -111,7 +114,8 @@ def model_loss(output) -> torch.Tensor:
             if isinstance(item, torch.Tensor) and item.dim() == 0 and item.is_floating_point():
                 return item
     what = _describe(output)
-    hint = ("it has a 'loss' field that is None: put 'labels' in the batch" if hasattr(output, "loss")
+    has_field = hasattr(output, "loss") or (isinstance(output, Mapping) and "loss" in output)
+    hint = ("it has a 'loss' field that is None: put 'labels' in the batch" if has_field
             else "return the loss from forward, or pass loss_fn=")
     raise ConfigError(f"no loss_fn was given, so the loss must be the model's own, but the model returned "
                       f"{what} with no 0-d loss tensor; {hint}")

@@ -31,7 +31,7 @@ def compare(model_fn, batches, *, loss_fn=None, val_batches=None, configs=None, 
 
     ``batches``: a list in the Engine's batch contract ((inputs, targets) with ``loss_fn``, or without
     it ``model(inputs, targets)`` and the model's own loss as nanoGPT computes it; a dict for
-    ``model(**batch)`` whose output has ``.loss``); train batches cycle, and the last quarter is
+    ``model(**batch)`` whose output has ``.loss`` or a ``"loss"`` entry); train batches cycle, and the last quarter is
     held out for the val loss unless ``val_batches`` is given. ``configs``: row names (``turbotrain
     bench --list``; a list, or one comma-separated string), default the device's ladder.
     ``malloc_tuned``: start every row's process with glibc's tuned allocator settings

@@ -20,7 +20,7 @@ def user_loss(model: nn.Module, loss_fn: Optional[Callable], batch) -> torch.Ten
     """The loss the way a user's loop computes it, by the Engine's batch contract (turbotrain/batch.py,
     whose LossContract finds it): ``loss_fn(model(inputs), targets)`` for a pair, or without a loss_fn
     ``model(inputs, targets)`` and the model's own loss (nanoGPT); ``model(**batch)`` for a dict, its
-    ``.loss`` or ``loss_fn(output, batch)``; ``model(batch)`` for a tensor, its own loss or
+    ``.loss`` (a plain dict's ``"loss"``) or ``loss_fn(output, batch)``; ``model(batch)`` for a tensor, its own loss or
     ``loss_fn(output)``. The batch is taken as it is (no device move, no checks): this is a hot loop."""
     from ..batch import Batch as Call, LossContract
 
