@@ -518,6 +518,10 @@ def _nll(out, targets):
     return F.nll_loss(out.reshape(-1, out.shape[-1]), targets.reshape(-1))
 
 
+def _cross_entropy(out, targets):
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]), targets.reshape(-1))
+
+
 def _tuple_batches(n=3, vocab=64):
     g = torch.Generator().manual_seed(1)
     return [(torch.randint(0, vocab, (4, 8), generator=g), torch.randint(0, vocab, (4, 8), generator=g))
@@ -626,4 +630,29 @@ def test_the_fused_head_takes_the_losss_ignore_index_and_reduction(ignore_index,
         losses[fuse] = [float(engine.step(b).loss) for b in batches]
         if fuse:
             assert engine._transform("fusion").loss_head.fused
+    assert losses[True] == pytest.approx(losses[False], rel=1e-5)
+
+
+@pytest.mark.parametrize("frozen", [("head.weight",), ("head.weight", "emb.weight", "mix.weight", "mix.bias")])
+def test_a_frozen_head_is_fused_on_its_input_gradient(frozen):
+    # A LoRA-style fine-tune freezes the output layer: the set-up check compares the gradient the
+    # loss sends into the head instead of the head weight's. Where only the head's bias trains
+    # (BitFit), there is no gradient below the head to check and the head stays as it was.
+    losses = {}
+    for fuse in (False, True):
+        torch.manual_seed(0)
+        model = TupleLM()
+        for name in frozen:
+            model.get_parameter(name).requires_grad_(False)
+        engine = Engine(model, torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1),
+                        _cross_entropy,
+                        config=Config(device="cpu", precision="fp32", fuse=("linear_cross_entropy",) if fuse else None))
+        losses[fuse] = [float(engine.step(b).loss) for b in _tuple_batches()]
+        if fuse:
+            head = engine._transform("fusion").loss_head
+            if len(frozen) == 1:
+                assert head.fused and head.grad_of == "input", head.reason
+                assert "head input grad sqnr" in engine.describe()
+            else:
+                assert not head.fused and "frozen" in head.reason, head.reason
     assert losses[True] == pytest.approx(losses[False], rel=1e-5)

@@ -223,6 +223,8 @@ class LossHeadResult:
     shift: bool = False
     loss_rel_error: float = math.nan
     grad_sqnr_db: float = math.nan
+    grad_of: str = "weight"
+    """Whose gradient the check compared: the head's weight, or its input where the weight is frozen."""
 
 
 def loss_targets(batch: Batch, model: Optional[nn.Module] = None) -> tuple[Optional[Tensor], Batch]:
@@ -391,11 +393,15 @@ def _nll_settings(nodes: list) -> tuple[dict, str]:
 
 
 def _run(model, head, contract: LossContract, batch: Batch, context, fused: Optional[FusedLossHead]):
-    """Loss and head-weight gradient of one seeded run; for the stock run also why the fused head would
+    """Loss and head gradient of one seeded run; for the stock run also why the fused head would
     compute something else ("" if not), read off the autograd graph before the gradient frees it, and
-    the ignore_index and reduction of its cross-entropy."""
-    seen, nll, settings = [], [], {}
+    the ignore_index and reduction of its cross-entropy.
+
+    The gradient is the head weight's, or where the head is frozen (a LoRA fine-tune, a tied frozen
+    embedding) its input's, which the fused kernel computes just the same."""
+    seen, nll, settings, inputs = [], [], {}, []
     hook = head.register_forward_hook(lambda mod, args, out: seen.append(out)) if fused is None else None
+    in_hook = head.register_forward_pre_hook(lambda mod, args: inputs.append(args[0] if args else None))
     try:
         with leaves_no_trace(model):
             with context():
@@ -417,11 +423,16 @@ def _run(model, head, contract: LossContract, batch: Batch, context, fused: Opti
                     why = why or loss_has_no_other_term(loss, seen[0])
             elif fused is None:
                 why = f"the head ran {len(seen)} times in one forward"
-            (grad,) = torch.autograd.grad(loss, [head.weight])
+            wrt = head.weight if head.weight.requires_grad else inputs[0] if len(inputs) == 1 else None
+            if isinstance(wrt, Tensor) and wrt.requires_grad:
+                (grad,) = torch.autograd.grad(loss, [wrt])
+            else:
+                grad, why = None, why or "nothing the head's loss reaches trains (its weight and its input are frozen)"
     finally:
+        in_hook.remove()
         if hook is not None:
             hook.remove()
-    return loss.detach().float(), grad.detach(), why, settings
+    return loss.detach().float(), None if grad is None else grad.detach(), why, settings
 
 
 def _unfit(model: nn.Module, head_path: str, example: Batch) -> str:
@@ -490,7 +501,8 @@ def install_loss_head(model: nn.Module, head_path: str, contract: LossContract, 
         rel = abs(float(loss) - float(ref_loss)) / max(abs(float(ref_loss)), 1e-12)
         ratio = sqnr(ref_grad, grad)
         if rel <= rel_bound and ratio >= sqnr_bound:
-            return LossHeadResult(head_path, True, shift=shift, loss_rel_error=rel, grad_sqnr_db=ratio), fused
+            return LossHeadResult(head_path, True, shift=shift, loss_rel_error=rel, grad_sqnr_db=ratio,
+                                  grad_of="weight" if head.weight.requires_grad else "input"), fused
         setattr(owner, name, head)
         tried.append(f"{'shifted' if shift else 'as given'}: loss off by {rel:.2g} (allowed {rel_bound:g}), "
                      f"head grad SQNR {ratio:.1f} dB (needs {sqnr_bound:g})")

@@ -94,7 +94,8 @@ class FusionTransform(Transform):
         extra = ()
         if self.loss_head is not None:
             lh = self.loss_head
+            grad = "head grad" if lh.grad_of == "weight" else "head input grad"
             detail = (f"{'causal shift, ' if lh.shift else ''}loss rel err {lh.loss_rel_error:.1e}, "
-                      f"head grad sqnr {lh.grad_sqnr_db:.1f} dB" if lh.fused else lh.reason)
+                      f"{grad} sqnr {lh.grad_sqnr_db:.1f} dB" if lh.fused else lh.reason)
             extra = ((lh.path, "linear_cross_entropy", "fused" if lh.fused else "rolled back", detail),)
         return self.report.format(extra) + note
