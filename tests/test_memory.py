@@ -11,6 +11,7 @@ from turbotrain.errors import ConfigError
 from turbotrain.memory import (
     apply_checkpointing,
     checkpointed_blocks,
+    is_recomputing,
     remove_checkpointing,
     saved_activation_bytes,
     saved_tensor_bytes,
@@ -249,3 +250,46 @@ def test_engine_checkpoints_every_other_block_and_trains_the_same():
         losses[every] = [float(engine.step(b).loss) for b in data]
     assert "(every 2: 2 of 4 blocks)" in engine.describe()
     assert losses[2] == pytest.approx(losses[None], rel=1e-5)
+
+
+class SelfCheckpointedGPT(TinyGPT):
+    """A model that calls torch.utils.checkpoint in its own forward (as Hugging Face's
+    gradient_checkpointing_enable() does), not through Config(checkpoint=...)."""
+
+    def __init__(self, reentrant):
+        super().__init__()
+        self.reentrant = reentrant
+
+    def forward(self, idx):
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=self.reentrant)
+        return self.head(self.ln_f(x))
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_models_own_checkpoint_calls_recompute_under_the_fp32_keep_list(reentrant):
+    # bf16-master runs LayerNorm in FP32 under a function mode; a recompute in backward without it ran
+    # the norms in bf16: the non-reentrant checkpoint refused the step (its saved and recomputed
+    # tensors differ in dtype), the reentrant one took other gradients than the forward's ops give.
+    from turbotrain import Config, Engine
+
+    losses = {}
+    for own in (None, reentrant):
+        torch.manual_seed(0)
+        model = TinyGPT() if own is None else SelfCheckpointedGPT(own)
+        engine = Engine(model, torch.optim.AdamW(model.parameters(), lr=1e-2), loss_fn,
+                        config=Config(device="cpu", precision="bf16-master"))
+        seen = []  # the profiler leaves recomputation out of model FLOPs: it must be told which is which
+        model.blocks[0].ln1.register_forward_hook(lambda *_: seen.append(is_recomputing()))
+        losses[own] = []
+        for seed in range(4):
+            torch.manual_seed(seed)  # the same dropout masks in both runs
+            losses[own].append(float(engine.step(make_batch(seed=seed)).loss))
+        assert seen == ([False] * 4 if own is None else [False, True] * 4)
+    assert losses[reentrant] == pytest.approx(losses[None], rel=1e-6, abs=0)
+    # torch's own functions are back once the forward is done
+    import torch.utils.checkpoint as tuc
+
+    assert issubclass(tuc.CheckpointFunction, torch.autograd.Function)
+    assert tuc._checkpoint_without_reentrant_generator.__module__ == "torch.utils.checkpoint"

@@ -29,6 +29,7 @@ from .batch import Batch, ContractCall, LossContract, as_batch, check_loss, pad_
 from .config import Config
 from .errors import CheckpointError, ConfigError, DistributedError, HardwareError, MetaInitError, TurbotrainError
 from .guards import Guards, ShadowCheck, StepSkipped
+from .memory.checkpoint import recompute_user_checkpoints_under_forward_modes
 from .optim_layout import bind_optimizer, check_optimizer_params, load_stock_state_dict, stock_state_dict
 from .plan import ApplyContext, ModelPlan, StepContext, Transform, find_head
 from .precision import Precision, warn_misaligned
@@ -283,6 +284,7 @@ class Engine:
         stack = contextlib.ExitStack()
         for t in self.transforms:
             stack.enter_context(t.forward_context())
+        stack.enter_context(recompute_user_checkpoints_under_forward_modes())
         return stack
 
     def _forward_loss(self, args, kwargs, targets, kind: str):

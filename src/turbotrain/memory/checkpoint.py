@@ -20,8 +20,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import warnings
 
 import torch
+import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
@@ -34,6 +36,7 @@ __all__ = [
     "checkpointed_blocks",
     "selective_policy",
     "is_recomputing",
+    "recompute_user_checkpoints_under_forward_modes",
     "CHECKPOINT_MODES",
     "SAVED_OPS",
 ]
@@ -100,6 +103,86 @@ def _function_modes(modes):
             if id(mode) not in active:
                 stack.enter_context(mode)
         yield
+
+
+def _replaying(fn, runs_forward: bool):
+    """``fn``, which torch.utils.checkpoint re-runs in backward, made to recompute under the function
+    modes active now (at the checkpoint call in the forward) and counted as recomputation
+    (:func:`is_recomputing`). ``runs_forward``: the first call is the forward itself (reentrant)."""
+    modes = tuple(torch.overrides._get_current_function_mode_stack())
+    calls = 0
+
+    @functools.wraps(fn)
+    def replay(*args, **kwargs):
+        nonlocal calls
+        calls += 1
+        if runs_forward and calls == 1:
+            return fn(*args, **kwargs)
+        with _recomputing(), _function_modes(modes):
+            return fn(*args, **kwargs)
+
+    return replay
+
+
+_REENTRANT_CHECKPOINT = getattr(torch_checkpoint, "CheckpointFunction", None)
+_NON_REENTRANT_CHECKPOINT = getattr(torch_checkpoint, "_checkpoint_without_reentrant_generator", None)
+
+
+class _ReplayingCheckpointFunction:
+    """What ``torch.utils.checkpoint.checkpoint(..., use_reentrant=True)`` calls while it is patched."""
+
+    @staticmethod
+    def apply(function, preserve_rng_state, *args):
+        return _REENTRANT_CHECKPOINT.apply(_replaying(function, True), preserve_rng_state, *args)
+
+
+def _replaying_generator(function, *args, **kwargs):
+    """What ``checkpoint(..., use_reentrant=False)`` calls while it is patched: the forward runs the
+    function itself, so the one the generator keeps is called only to recompute."""
+    return _NON_REENTRANT_CHECKPOINT(_replaying(function, False), *args, **kwargs)
+
+
+_patch_lock = threading.Lock()
+_patch_depth = 0
+_warned_unpatched = False
+
+
+@contextlib.contextmanager
+def recompute_user_checkpoints_under_forward_modes():
+    """While the Engine's forward runs: a ``torch.utils.checkpoint`` call in the model's own code (a
+    user's ``checkpoint(block, x)``, Hugging Face's ``gradient_checkpointing_enable()``) recomputes in
+    backward under the function modes its forward ran under (turbotrain's FP32 keep-list, the
+    attention routing), as torch itself restores autocast there.
+
+    Without this, bf16-master recomputed a checkpointed block without the keep-list: its norms ran in
+    bf16 where the forward had run them in FP32, and the non-reentrant checkpoint failed ("Recomputed
+    values ... have different metadata"); the reentrant one silently took gradients through other
+    ops than the forward ran. torch has no public hook for this, so the two module globals
+    ``checkpoint()`` calls are swapped for wrappers while any Engine's forward runs, and put back
+    after.
+    """
+    global _patch_depth, _warned_unpatched
+    if _REENTRANT_CHECKPOINT is None or _NON_REENTRANT_CHECKPOINT is None:
+        if not _warned_unpatched and torch.overrides._get_current_function_mode_stack():
+            _warned_unpatched = True
+            warnings.warn("this torch's torch.utils.checkpoint lacks the functions turbotrain wraps, so a "
+                          "checkpoint() call in the model's own code recomputes without the FP32 keep-list; "
+                          "use Config(checkpoint='blocks') instead of your own checkpoint calls", stacklevel=3)
+        yield
+        return
+    with _patch_lock:
+        if _patch_depth == 0:
+            torch_checkpoint.CheckpointFunction = _ReplayingCheckpointFunction
+            torch_checkpoint._checkpoint_without_reentrant_generator = _replaying_generator
+        _patch_depth += 1
+    try:
+        yield
+    finally:
+        with _patch_lock:
+            _patch_depth -= 1
+            if _patch_depth == 0:
+                torch_checkpoint.CheckpointFunction = _REENTRANT_CHECKPOINT
+                torch_checkpoint._checkpoint_without_reentrant_generator = _NON_REENTRANT_CHECKPOINT
 
 
 def _checkpointed_call(original_forward, mode: str, module, *args, **kwargs):
