@@ -166,6 +166,45 @@ def test_a_model_returning_a_plain_dict_trains_on_its_loss_entry():
     assert engine.steps == 20
 
 
+class WholeSequenceLM(nn.Module):
+    """Takes one tensor of token ids and scores each position on the next one itself."""
+
+    def __init__(self, vocab=32, d=16):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(vocab, d), nn.Linear(d, vocab)
+
+    def forward(self, seq):
+        logits = self.head(torch.tanh(self.emb(seq[:, :-1])))
+        return F.cross_entropy(logits.flatten(0, 1), seq[:, 1:].flatten())
+
+
+def _dict_loss_fn(output, batch):
+    return F.cross_entropy(output["logits"].flatten(0, 1), batch["targets"].flatten())
+
+
+@pytest.mark.parametrize("case", ["dict-own-loss", "dict-loss-fn", "tensor-own-loss"])
+def test_the_head_is_fused_where_the_runs_own_code_names_the_targets(case):
+    # No 'labels' key and no (inputs, targets) pair to arm the head with: the cross-entropy call the
+    # model (or the loss_fn) makes on the head's logits is the one computed fused.
+    x = ids(t=9)
+    build, loss_fn, batch = {
+        "dict-own-loss": (PlainDictOutput, None, {"tokens": x, "targets": x}),
+        "dict-loss-fn": (PlainDictOutput, _dict_loss_fn, {"tokens": x, "targets": x}),
+        "tensor-own-loss": (WholeSequenceLM, None, x),
+    }[case]
+    losses = {}
+    for fuse in (False, True):
+        torch.manual_seed(0)
+        model = build()
+        engine = Engine(model, torch.optim.AdamW(model.parameters(), lr=3e-2), loss_fn,
+                        config=Config(device="cpu", precision="fp32", fuse=("linear_cross_entropy",) if fuse else None))
+        losses[fuse] = [float(engine.step(batch).loss) for _ in range(4)]
+        if fuse:
+            head = engine._transform("fusion").loss_head
+            assert head.fused and head.path == "head", head.reason
+    assert losses[True] == pytest.approx(losses[False], rel=1e-5)
+
+
 def test_a_dict_batch_with_a_loss_fn_gets_the_whole_batch():
     model = DictModel()
     got = {}

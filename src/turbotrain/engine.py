@@ -294,8 +294,8 @@ class Engine:
         if head is not None:
             from .fusion.loss_head import loss_targets, own_loss, own_loss_batch
 
-            if own_loss_batch(batch):  # nanoGPT's forward(idx, targets): its cross-entropy is the fused one
-                return own_loss(self.model, head, batch)
+            if own_loss_batch(batch):  # the run's code names the targets: its cross-entropy call is the fused one
+                return own_loss(self.model, head, batch, self.contract)
             labels, call = loss_targets(batch, self.module)
             head.arm(labels)
             self.model(*call.args, **call.kwargs)

@@ -25,6 +25,8 @@ Parameter the model no longer holds.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import contextlib
 import weakref
 from dataclasses import dataclass, field
@@ -194,9 +196,13 @@ class Transform:
 
 
 def _logits_of(output) -> Optional[torch.Tensor]:
+    """``output.logits``, a plain dict's ``"logits"`` (else its first tensor of 2 or more dims, as for a
+    tuple), or the output itself."""
     logits = getattr(output, "logits", None)
     if isinstance(logits, torch.Tensor):
         return logits
+    if isinstance(output, Mapping):
+        output = [output["logits"]] if "logits" in output else list(output.values())
     if isinstance(output, torch.Tensor):
         return output if output.dim() >= 2 else None
     if isinstance(output, (tuple, list)):
@@ -210,16 +216,24 @@ _LOG_SOFTMAX_FUNCS = (torch.nn.functional.log_softmax, torch.log_softmax, torch.
 class _LogSoftmaxOfHead(torch.overrides.TorchFunctionMode):
     """Records, into ``outputs``, a log-softmax over the last dimension of a recorded Linear output
     under that Linear's name: a model that returns log-probabilities (``F.log_softmax(decoder(h), -1)``
-    for an NLL loss, as PyTorch's word-language-model example does) has that Linear as its head."""
+    for an NLL loss, as PyTorch's word-language-model example does) has that Linear as its head.
+    ``scored`` is the first Linear whose whole output a ``F.cross_entropy`` call in the forward took:
+    the head of a model that returns only its loss."""
 
     def __init__(self, outputs: dict):
         super().__init__()
         self.outputs = outputs
+        self.scored: Optional[str] = None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if func in _LOG_SOFTMAX_FUNCS and args and isinstance(args[0], torch.Tensor) and isinstance(out, torch.Tensor):
+        if func is torch.nn.functional.cross_entropy and self.scored is None:
+            x = args[0] if args else kwargs.get("input")
+            found = self.outputs.get(x.data_ptr()) if isinstance(x, torch.Tensor) else None
+            if found is not None and found[1]() is not None and found[1]().numel() == x.numel():
+                self.scored = found[0]
+        elif func in _LOG_SOFTMAX_FUNCS and args and isinstance(args[0], torch.Tensor) and isinstance(out, torch.Tensor):
             x = args[0]
             dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
             found = self.outputs.get(x.data_ptr())
@@ -233,7 +247,8 @@ def find_head(model: nn.Module, run=None) -> Optional[str]:
 
     Found by data flow when ``run`` (a callable that runs the model once) is given: every Linear's
     output is recorded and compared with the returned logits (or log-probabilities: the log-softmax
-    over the last dimension of a Linear's output, or of a view of it). Without it, or when the logits
+    over the last dimension of a Linear's output, or of a view of it); a model that returns only its
+    loss has as head the Linear whose whole output its ``F.cross_entropy`` took. Without it, or when the logits
     are not a Linear's output, a Hugging Face model's ``get_output_embeddings()`` is asked; there is
     no guessing by names.
     """
@@ -248,11 +263,13 @@ def find_head(model: nn.Module, run=None) -> Optional[str]:
                     lambda mod, args, out, name=name: outputs.__setitem__(out.data_ptr(), (name, weakref.ref(out)))
                     if isinstance(out, torch.Tensor) else None))
         try:
-            with torch.no_grad(), leaves_no_trace(model), _LogSoftmaxOfHead(outputs):
+            with torch.no_grad(), leaves_no_trace(model), _LogSoftmaxOfHead(outputs) as mode:
                 logits = _logits_of(run())
         finally:
             for h in handles:
                 h.remove()
+        if logits is None and mode.scored is not None:  # the model returned its loss alone
+            return mode.scored
         name, ref = outputs.get(logits.data_ptr(), (None, None)) if logits is not None else (None, None)
         if ref is not None and ref() is not None:
             return name

@@ -6,11 +6,11 @@ training step, arms it with the targets. Armed, the head computes the chunked li
 of its input against those targets and hands the model a zero-stride placeholder of the logits'
 shape (no memory), which the Engine never lets reach a loss. The model's own loss path is skipped
 (``labels`` are taken out of the batch), so a Hugging Face model and a user's ``loss_fn`` are
-handled alike. A model that takes its targets and computes its own cross-entropy in ``forward``
-(nanoGPT's ``forward(idx, targets)``, batches ``(idx, targets)`` with no loss_fn) keeps computing it:
-under :class:`OwnLossMode` its ``F.cross_entropy`` call on the placeholder returns the fused loss of
-the head's input against the targets, ``ignore_index`` and reduction that call names, so whatever the
-model adds to that loss stays in it.
+handled alike. Where the run's own code names the targets (nanoGPT's ``forward(idx, targets)`` on
+batches ``(idx, targets)`` with no loss_fn; a dict batch without ``labels`` whose model or loss_fn
+reads its own keys) it keeps computing its loss: under :class:`OwnLossMode` its ``F.cross_entropy``
+call on the placeholder returns the fused loss of the head's input against the targets,
+``ignore_index`` and reduction that call names, so whatever the code adds to that loss stays in it.
 
 Whether the loss so computed equals the one the run would compute unfused is not assumed:
 :func:`install_loss_head` checks it on the first batch, in the run's precision, for the loss value
@@ -194,23 +194,28 @@ class OwnLossMode(TorchFunctionMode):
 
 
 def own_loss_batch(batch: Batch) -> bool:
-    """The model gets the targets and computes its own loss: ``(inputs, targets)`` with no loss_fn."""
-    return batch.kind == "tuple" and len(batch.args) == 2
+    """The run's own code names the targets of its cross-entropy, so the fused head cannot be armed with
+    them: ``(inputs, targets)`` with no loss_fn (nanoGPT's ``forward(idx, targets)``), a dict without
+    ``labels`` (a model or loss_fn that reads its own keys), or a single tensor."""
+    if batch.kind == "tuple":
+        return len(batch.args) == 2
+    return batch.kind == "tensor" or "labels" not in batch.kwargs
 
 
-def own_loss(model: nn.Module, head: FusedLossHead, batch: Batch) -> Tensor:
-    """The model's own loss of ``batch`` with its cross-entropy on the head computed fused."""
+def own_loss(model: nn.Module, head: FusedLossHead, batch: Batch, contract: LossContract) -> Tensor:
+    """The run's loss of ``batch`` (the model's own, or the loss_fn's) with its cross-entropy on the
+    head's logits computed fused."""
     from ..errors import FusionError
 
     head.arm_own()
     try:
         with OwnLossMode(head) as mode:
-            output = model(*batch.args, **batch.kwargs)
+            loss = contract(model, batch)
         if not mode.calls:
-            raise FusionError("the model's forward computed no cross-entropy on the whole of the head's logits "
+            raise FusionError(f"{contract.source} computed no cross-entropy on the whole of the head's logits "
                               "(one on a slice or a transformed copy of them cannot be fused); train without "
                               "fuse=('linear_cross_entropy',) for this model")
-        return model_loss(output)
+        return loss
     finally:
         head.disarm()
 
@@ -409,7 +414,7 @@ def _run(model, head, contract: LossContract, batch: Batch, context, fused: Opti
                 if fused is None:
                     loss = contract(model, batch)
                 elif own_loss_batch(batch):
-                    loss = own_loss(model, fused, batch)
+                    loss = own_loss(model, fused, batch, contract)
                 else:
                     targets, call = loss_targets(batch, model)
                     fused.arm(targets)
@@ -441,10 +446,8 @@ def _unfit(model: nn.Module, head_path: str, example: Batch) -> str:
     if type(head) is not nn.Linear:
         return f"the head is a {type(head).__name__}, not an nn.Linear"
     targets, _ = loss_targets(example)
-    if targets is None:
-        return ("the batch carries no targets the head's loss could be fused with (a dict batch needs 'labels', "
-                "a tensor batch a loss_fn)")
-    if not isinstance(targets, Tensor) or targets.is_floating_point() or targets.dim() < 1:
+    if not own_loss_batch(example) and (
+            not isinstance(targets, Tensor) or targets.is_floating_point() or targets.dim() < 1):
         return "the targets are not integer class indices"
     if not head_path:
         return "the model itself is the head"
