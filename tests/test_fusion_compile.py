@@ -180,3 +180,29 @@ def test_compile_trains_a_parallel_residual_in_bf16():
                         config=Config(device="cpu", precision="bf16-master", compile=compiled))
         losses[compiled] = [float(engine.step((idx, idx)).loss) for _ in range(3)]
     torch.testing.assert_close(torch.tensor(losses[True]), torch.tensor(losses[False]), rtol=2e-2, atol=0)
+
+
+def test_each_kind_of_engine_gets_its_own_recompile_limit_and_a_rebuilt_one_reuses_its_graphs(monkeypatch):
+    # Every Engine's runner was one function, so Dynamo's per-function limit was spent across Engines:
+    # after `limit` models of different widths the next ran eagerly under compile=True.
+    from torch._dynamo.utils import counters
+
+    from turbotrain import Config, Engine
+
+    monkeypatch.setattr(fcompile, "_WARNED", [True])  # the budget warning is another test's subject
+    torch._dynamo.reset()
+
+    def steps(dim):
+        torch.manual_seed(0)
+        model = CausalLM(dim=dim)
+        engine = Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), cross_entropy_loss,
+                        config=Config(device="cpu", precision="fp32", compile=True))
+        before = counters["stats"]["unique_graphs"]
+        idx = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(0))
+        engine.step((idx, idx))
+        return counters["stats"]["unique_graphs"] - before
+
+    with torch._dynamo.config.patch(recompile_limit=2):
+        assert [steps(dim) for dim in (8, 16, 24)] == [1, 1, 1]  # the third compiled too
+        assert steps(8) == 0  # the same model again: the first Engine's graph serves it
+    torch._dynamo.reset()

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import types
 import warnings
+import weakref
 
 import torch
 
@@ -258,6 +260,40 @@ def _causal_skipping(stock):
     return sdpa_mask
 
 
+#: The runner's code object copies, one per kind of Engine (see _own_code), while an Engine uses it.
+_CODE_COPIES: "weakref.WeakValueDictionary[tuple, types.CodeType]" = weakref.WeakValueDictionary()
+
+
+def _model_signature(model: torch.nn.Module) -> tuple:
+    """What two Engines must share for one's graphs to serve the other: module types, and parameter and
+    buffer shapes, dtypes and trainability, in order."""
+    return (tuple((n, type(m).__qualname__) for n, m in model.named_modules()),
+            tuple((n, tuple(t.shape), t.dtype, t.requires_grad) for n, t in model.named_parameters()),
+            tuple((n, tuple(t.shape), t.dtype) for n, t in model.named_buffers()))
+
+
+def _own_code(fn, kind: tuple):
+    """``fn`` (a function or a bound method) on a copy of its code object shared only by Engines of one
+    ``kind``.
+
+    Dynamo keeps its graphs, and counts them against ``recompile_limit``, per code object. Every
+    Engine's runner is the same function, so a process that built Engines for nine models of different
+    shapes had spent the limit on the first eight, and the ninth ran eagerly under compile=True with
+    no more than a log line. A copy per kind of Engine (the model's structure, the run's dtype and
+    attention path) gives each its own limit, while an Engine rebuilt on the same model (a notebook
+    cell run again, a test) still finds the graphs compiled for the first.
+    """
+    if isinstance(fn, types.MethodType):
+        return types.MethodType(_own_code(fn.__func__, kind), fn.__self__)
+    key = (fn.__code__, kind)
+    code = _CODE_COPIES.get(key)
+    if code is None:
+        code = _CODE_COPIES[key] = fn.__code__.replace()
+    copy = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__, copy.__qualname__ = fn.__kwdefaults__, fn.__qualname__
+    return copy
+
+
 class CompileTransform(Transform):
     """``Config(compile=True)``: torch.compile over the forward *and* the loss, as one function.
 
@@ -284,9 +320,11 @@ class CompileTransform(Transform):
         """True, False, or None: chosen at set-up (plain attention on a CPU in bf16)."""
         self._attention_reason = ""
         self._mode = None  # the PlainAttentionMode the compiled runner enters, when attention is on
+        self._model: torch.nn.Module | None = None
 
     def apply(self, model, plan, ctx) -> None:
         self._hf = _is_hf_model(model)
+        self._model = model  # its structure, once every transform has changed it, picks the runner's code
 
     def wrap_runner(self, runner, plan, ctx):
         if self.attention is None:
@@ -302,7 +340,8 @@ class CompileTransform(Transform):
                 with mode:
                     return inner(*args, **kwargs)
 
-        compiled = torch.compile(runner, options=_compile_options())
+        kind = (_model_signature(self._model), ctx.dtype, self.attention)
+        compiled = torch.compile(_own_code(runner, kind), options=_compile_options())
         once = hasattr(torch._dynamo.config, _ONCE)
         if not once and not self._hf:
             return compiled
