@@ -205,6 +205,31 @@ def test_the_head_is_fused_where_the_runs_own_code_names_the_targets(case):
     assert losses[True] == pytest.approx(losses[False], rel=1e-5)
 
 
+class FloatLogitsOwnLoss(PlainDictOutput):
+    """Meta's Llama code returns ``self.output(h).float()``: the logits change dtype before the loss."""
+
+    def forward(self, tokens, targets=None):
+        logits = self.head(self.emb(tokens)).float()
+        return {"logits": logits, "loss": F.cross_entropy(logits.flatten(0, 1), targets.flatten())}
+
+
+def test_the_own_loss_head_survives_the_logits_cast_to_fp32_in_a_bf16_run():
+    # The set-up check runs before the model is cast to bf16, where .float() changes nothing; in the
+    # run it turned the placeholder into a tensor of zeros and the first step failed.
+    x = ids(t=9)
+    losses = {}
+    for fuse in (False, True):
+        torch.manual_seed(0)
+        model = FloatLogitsOwnLoss()
+        engine = Engine(model, torch.optim.AdamW(model.parameters(), lr=3e-2),
+                        config=Config(device="cpu", precision="bf16-master",
+                                      fuse=("linear_cross_entropy",) if fuse else None))
+        losses[fuse] = [float(engine.step({"tokens": x, "targets": x}).loss) for _ in range(4)]
+        if fuse:
+            assert engine._transform("fusion").loss_head.fused
+    assert losses[True] == pytest.approx(losses[False], rel=2e-2)
+
+
 def test_a_dict_batch_with_a_loss_fn_gets_the_whole_batch():
     model = DictModel()
     got = {}

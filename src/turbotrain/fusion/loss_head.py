@@ -150,6 +150,11 @@ _CROSS_ENTROPY_ARGS = ("input", "target", "weight", "size_average", "ignore_inde
                        "label_smoothing")
 
 
+#: Tensor methods that only change the dtype (or device) of the logits on their way to the loss.
+_CASTS = frozenset({Tensor.float, Tensor.double, Tensor.half, Tensor.bfloat16, Tensor.to, Tensor.type_as,
+                    Tensor.type})
+
+
 class OwnLossMode(TorchFunctionMode):
     """While a model computes its own loss: ``F.cross_entropy`` on the fused head's placeholder logits
     (``nn.CrossEntropyLoss`` calls it too) returns the fused loss; every other call runs as it is.
@@ -171,6 +176,11 @@ class OwnLossMode(TorchFunctionMode):
             bound = dict(zip(_CROSS_ENTROPY_ARGS, args), **kwargs)
             if self.head.is_placeholder(bound.get("input")):
                 return self._fused(bound)
+        elif func in _CASTS and args and self.head.is_placeholder(args[0]):
+            # logits.float() (Meta's Llama code) would turn the placeholder into a tensor of zeros:
+            # cast a 0-d stand-in instead and hand back a placeholder in the new dtype
+            out = func(args[0].new_zeros(()), *args[1:], **kwargs)
+            return out.expand(args[0].shape) if isinstance(out, Tensor) else out
         return func(*args, **kwargs)
 
     def _fused(self, bound: dict) -> Tensor:
