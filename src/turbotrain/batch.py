@@ -10,8 +10,8 @@ A batch is one of:
 - a single tensor: ``model(batch)``, and the loss is ``loss_fn(output)`` or the model's own.
 
 The model's own loss is ``output.loss`` (Hugging Face), ``output["loss"]`` of a dict, a 0-d tensor
-output, or the first 0-d floating tensor of a tuple output. Whatever the source, a loss must be a 0-d floating tensor that
-requires grad; anything else is a ConfigError naming what came back.
+output, or the first 0-d floating tensor of a tuple output. Whatever the source, a loss must be a
+0-d floating tensor that requires grad; anything else is a ConfigError naming what came back.
 """
 
 from __future__ import annotations

@@ -233,7 +233,8 @@ class _LogSoftmaxOfHead(torch.overrides.TorchFunctionMode):
             found = self.outputs.get(x.data_ptr()) if isinstance(x, torch.Tensor) else None
             if found is not None and found[1]() is not None and found[1]().numel() == x.numel():
                 self.scored = found[0]
-        elif func in _LOG_SOFTMAX_FUNCS and args and isinstance(args[0], torch.Tensor) and isinstance(out, torch.Tensor):
+        elif (func in _LOG_SOFTMAX_FUNCS and args and isinstance(args[0], torch.Tensor)
+              and isinstance(out, torch.Tensor)):
             x = args[0]
             dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
             found = self.outputs.get(x.data_ptr())
