@@ -292,14 +292,15 @@ class Engine:
         head = self.plan.loss_head
         batch = Batch(args, kwargs, targets, kind=kind)
         if head is not None:
-            from .fusion.loss_head import loss_targets, own_loss, own_loss_batch
+            from .fusion.loss_head import head_calls, loss_targets, own_loss, own_loss_batch
 
-            if own_loss_batch(batch):  # the run's code names the targets: its cross-entropy call is the fused one
-                return own_loss(self.model, head, batch, self.contract)
-            labels, call = loss_targets(batch, self.module)
-            head.arm(labels)
-            self.model(*call.args, **call.kwargs)
-            return head.take_loss()
+            with head_calls(head):  # a head the model computes with F.linear is reached through a mode
+                if own_loss_batch(batch):  # the run's code names the targets: its cross-entropy call is the fused one
+                    return own_loss(self.model, head, batch, self.contract)
+                labels, call = loss_targets(batch, self.module)
+                head.arm(labels)
+                self.model(*call.args, **call.kwargs)
+                return head.take_loss()
         return self.contract.loss(self.model(*args, **kwargs), batch)
 
     def _prepare_batch(self, batch) -> Batch:

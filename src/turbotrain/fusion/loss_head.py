@@ -12,6 +12,12 @@ reads its own keys) it keeps computing its loss: under :class:`OwnLossMode` its 
 call on the placeholder returns the fused loss of the head's input against the targets,
 ``ignore_index`` and reduction that call names, so whatever the code adds to that loss stays in it.
 
+A head the model writes out, ``F.linear(h, self.wte.weight)`` or ``h @ self.wte.weight.t()`` on a
+Parameter no Linear holds (a tied embedding, in OLMo's and Gemma's reference code), has no module to
+swap: it is found by the same data flow (:func:`~turbotrain.plan.find_functional_head`), stood for by
+a :class:`FunctionalHead` outside the model, and the call reaches the fused head through a function
+mode (:func:`head_calls`) while the Engine's forward runs; the model and its state_dict are untouched.
+
 Whether the loss so computed equals the one the run would compute unfused is not assumed:
 :func:`install_loss_head` checks it on the first batch, in the run's precision, for the loss value
 and the head's weight gradient, with the targets as given and shifted by one (causal LMs), and
@@ -38,8 +44,8 @@ from ..utils import leaves_no_trace
 from .modules import _compute_dtype
 from .ops.linear_cross_entropy import linear_cross_entropy
 
-__all__ = ["FusedLossHead", "LossHeadResult", "OwnLossMode", "install_loss_head", "loss_head_refusal",
-           "own_loss_batch", "LOSS_TOLERANCES"]
+__all__ = ["FusedLossHead", "FunctionalHead", "LossHeadResult", "OwnLossMode", "head_calls", "install_loss_head",
+           "functional_head_of", "install_functional_loss_head", "loss_head_refusal", "own_loss_batch", "LOSS_TOLERANCES"]
 
 #: How close the fused loss must be to the stock one, per run dtype: (relative loss error, minimum
 #: SQNR of the head weight's gradient in dB). bf16 logits are rounded before the stock softmax while
@@ -52,7 +58,8 @@ LOSS_TOLERANCES = {
 
 
 #: Why there is nothing to fuse when no head was found.
-NO_HEAD = "no Linear produces the logits the model returns"
+NO_HEAD = ("no Linear produces the logits the model returns (nor F.linear or a matmul on a transposed Parameter "
+           "of the model)")
 
 
 def shift_left(targets: Tensor, ignore_index: int = IGNORE_INDEX) -> Tensor:
@@ -69,7 +76,7 @@ class FusedLossHead(nn.Module):
     :class:`OwnLossMode` catches and returns the placeholder.
     """
 
-    def __init__(self, linear: nn.Linear, shift: bool, chunk_rows: Optional[int] = None,
+    def __init__(self, linear: nn.Module, shift: bool, chunk_rows: Optional[int] = None,
                  ignore_index: int = IGNORE_INDEX, reduction: str = "mean"):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
@@ -82,6 +89,8 @@ class FusedLossHead(nn.Module):
         self._loss: Optional[Tensor] = None
         self._own = False
         self._input: Optional[tuple] = None  # (x, w, b) in the compute dtype, for the model's own loss
+        # The FunctionalHead this head stands in for (not a submodule: it is reached through head_calls).
+        self.__dict__["site"] = linear if isinstance(linear, FunctionalHead) else None
 
     def arm(self, targets: Tensor) -> None:
         self._targets = targets
@@ -103,25 +112,27 @@ class FusedLossHead(nn.Module):
                               "train without fuse=('linear_cross_entropy',) for this model")
         return loss
 
-    def _operands(self, x: Tensor) -> tuple:
-        dtype = _compute_dtype(x, self.weight)
-        w, b = self.weight, self.bias
+    def _operands(self, x: Tensor, w: Tensor, b: Optional[Tensor]) -> tuple:
+        dtype = _compute_dtype(x, w)
         if dtype is not None:  # custom ops are not cast by autocast (or the mode): do what they would
             x, w = x.to(dtype), w.to(dtype)
             b = b.to(dtype) if b is not None else None
         return x, w, b
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, weight: Optional[Tensor] = None, bias: Optional[Tensor] = None) -> Tensor:
+        """``weight`` and ``bias`` are given for a :class:`FunctionalHead`'s call: the Parameters the
+        model's own ``F.linear`` was handed (FSDP gathers them anew each forward)."""
         targets = self._targets
+        w, b = (self.weight, self.bias) if weight is None else (weight, bias)
         if self._own:
-            self._input = self._operands(x)
+            self._input = self._operands(x, w, b)
         elif targets is None:
-            return F.linear(x, self.weight, self.bias)
+            return F.linear(x, w, b)
         else:
             self._targets = None
             if self.shift:
                 targets = shift_left(targets, self.ignore_index)
-            self._loss = linear_cross_entropy(*self._operands(x), targets, self.ignore_index, self.chunk_rows,
+            self._loss = linear_cross_entropy(*self._operands(x, w, b), targets, self.ignore_index, self.chunk_rows,
                                               self.reduction)
         # The model goes on with a placeholder of the logits' shape that costs no memory.
         return x.new_zeros(()).expand(*x.shape[:-1], self.out_features)
@@ -144,6 +155,87 @@ class FusedLossHead(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"fused cross-entropy{' (causal shift)' if self.shift else ''}")
+
+
+class FunctionalHead(nn.Module):
+    """The head of a model that computes its logits as ``F.linear(h, W)`` (or ``F.linear(h, W, b)``) on
+    Parameters held by modules that are not a Linear: a tied embedding written out
+    (``F.linear(x, self.wte.weight)``, as OLMo's code does). Not part of the model (its state_dict is
+    untouched): the model's call reaches it, or the :class:`FusedLossHead` built on it, through
+    :func:`head_calls`. ``weight`` and ``bias`` are looked up on their modules at each use, so a transform
+    that replaces those Parameters (FSDP) is followed."""
+
+    def __init__(self, model: nn.Module, weight_name: str, bias_name: Optional[str] = None):
+        super().__init__()
+        self.name = weight_name
+        self._at = tuple(None if n is None else (model.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2])
+                         for n in (weight_name, bias_name))
+        self.out_features, self.in_features = self.weight.shape
+
+    @property
+    def weight(self) -> Tensor:
+        owner, attr = self._at[0]
+        return getattr(owner, attr)
+
+    @property
+    def bias(self) -> Optional[Tensor]:
+        return None if self._at[1] is None else getattr(*self._at[1])
+
+    @property
+    def site(self) -> "FunctionalHead":
+        return self
+
+    def forward(self, x: Tensor, weight: Optional[Tensor] = None, bias: Optional[Tensor] = None) -> Tensor:
+        return F.linear(x, self.weight if weight is None else weight, bias)
+
+    def extra_repr(self) -> str:
+        return f"F.linear on {self.name}, in_features={self.in_features}, out_features={self.out_features}"
+
+
+_LINEAR_ARGS = ("input", "weight", "bias")
+
+
+_MATMULS = frozenset({torch.matmul, Tensor.matmul, Tensor.__matmul__})
+
+
+def transposed_parameter(t) -> Optional[Tensor]:
+    """The 2-d tensor ``t`` is the transpose of (``w.t()``, ``w.T``, ``w.mT``, ``w.transpose(0, 1)``), or
+    None. Read off the view's base, not the call that made it: under torch.compile a ``.T`` does not
+    reach a function mode."""
+    base = t._base if isinstance(t, Tensor) else None
+    if base is None or t.dim() != 2 or base.dim() != 2:
+        return None
+    if tuple(t.shape) != tuple(base.shape)[::-1] or tuple(t.stride()) != tuple(base.stride())[::-1]:
+        return None
+    return base
+
+
+class _HeadCalls(TorchFunctionMode):
+    """While the model runs: its ``F.linear`` call on a :class:`FunctionalHead`'s Parameters, or its
+    matmul with the transposed weight (``h @ W.t()``), goes to ``module`` (the FunctionalHead itself, or
+    the FusedLossHead built on it)."""
+
+    def __init__(self, site: FunctionalHead, module: nn.Module):
+        super().__init__()
+        self.site, self.module = site, module
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            bound = dict(zip(_LINEAR_ARGS, args), **kwargs)
+            if bound.get("weight") is self.site.weight and bound.get("bias") is self.site.bias:
+                return self.module(bound["input"], weight=bound["weight"], bias=bound.get("bias"))
+        elif (func in _MATMULS and len(args) == 2 and not kwargs and self.site.bias is None
+              and transposed_parameter(args[1]) is self.site.weight):
+            return self.module(args[0], weight=self.site.weight)
+        return func(*args, **kwargs)
+
+
+def head_calls(head: nn.Module) -> contextlib.AbstractContextManager:
+    """Around a forward: routes the model's own ``F.linear`` head call to ``head`` where the head is
+    functional (:class:`FunctionalHead`, or a FusedLossHead built on one); a Linear module needs nothing."""
+    site = getattr(head, "site", None)
+    return _HeadCalls(site, head) if site is not None else contextlib.nullcontext()
 
 
 _CROSS_ENTROPY_ARGS = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction",
@@ -419,7 +511,7 @@ def _run(model, head, contract: LossContract, batch: Batch, context, fused: Opti
     in_hook = head.register_forward_pre_hook(lambda mod, args: inputs.append(args[0] if args else None))
     try:
         with leaves_no_trace(model):
-            with context():
+            with context(), head_calls(head):
                 torch.manual_seed(0)  # same dropout masks in the stock and the fused run
                 if fused is None:
                     loss = contract(model, batch)
@@ -455,13 +547,30 @@ def _unfit(model: nn.Module, head_path: str, example: Batch) -> str:
     head = model.get_submodule(head_path)
     if type(head) is not nn.Linear:
         return f"the head is a {type(head).__name__}, not an nn.Linear"
+    why = _unfit_targets(example)
+    if why:
+        return why
+    if not head_path:
+        return "the model itself is the head"
+    return ""
+
+
+def _unfit_targets(example: Batch) -> str:
     targets, _ = loss_targets(example)
     if not own_loss_batch(example) and (
             not isinstance(targets, Tensor) or targets.is_floating_point() or targets.dim() < 1):
         return "the targets are not integer class indices"
-    if not head_path:
-        return "the model itself is the head"
     return ""
+
+
+def functional_head_of(model: nn.Module, example: Batch, context=contextlib.nullcontext) -> Optional[FunctionalHead]:
+    """The :class:`FunctionalHead` of a model that computes its logits with ``F.linear`` (or a matmul with
+    a transposed Parameter) on a Parameter no Linear holds, found by running ``example``; else None."""
+    from ..plan import find_functional_head
+
+    with context():
+        found = find_functional_head(model, lambda: model(*example.args, **example.kwargs))
+    return None if found is None else FunctionalHead(model, *found)
 
 
 def loss_head_refusal(model: nn.Module, head_path: Optional[str], contract: LossContract, example: Batch,
@@ -470,32 +579,58 @@ def loss_head_refusal(model: nn.Module, head_path: Optional[str], contract: Loss
 
     The checks :func:`install_loss_head` makes before it tries the fused head (the head, the targets, the
     stock loss's autograd graph), on two rows of ``example``, leaving the model and the random stream as
-    they were. "" is not a promise: the set-up's loss check can still roll the head back.
+    they were; without a Linear head (``head_path`` None) those of a head written as ``F.linear``. "" is
+    not a promise: the set-up's loss check can still roll the head back.
     """
     if head_path is None:
-        return NO_HEAD
-    why = _unfit(model, head_path, example)
+        head = functional_head_of(model, example, context)
+        if head is None:
+            return NO_HEAD
+        why = _unfit_targets(example)
+    else:
+        why = _unfit(model, head_path, example)
+        head = model.get_submodule(head_path)
     if why:
         return why
-    return _run(model, model.get_submodule(head_path), contract, _first_rows(example, 2), context, None)[2]
+    return _run(model, head, contract, _first_rows(example, 2), context, None)[2]
 
 
 def install_loss_head(model: nn.Module, head_path: str, contract: LossContract, example: Batch,
                       run_dtype: torch.dtype, context=contextlib.nullcontext) -> tuple[LossHeadResult, Optional[FusedLossHead]]:
     """Swap a FusedLossHead in at ``head_path`` if it reproduces the run's loss on ``example``."""
-    from .rewrite import sqnr
-
     why = _unfit(model, head_path, example)
     if why:
         return LossHeadResult(head_path, False, why), None
     head = model.get_submodule(head_path)
-    targets, _ = loss_targets(example)
     owner_path, _, name = head_path.rpartition(".")
     owner = model.get_submodule(owner_path)
+    return _install(model, head, head_path, contract, example, run_dtype, context, lambda m: setattr(owner, name, m))
+
+
+def install_functional_loss_head(model: nn.Module, head: FunctionalHead, contract: LossContract, example: Batch,
+                                 run_dtype: torch.dtype, context=contextlib.nullcontext
+                                 ) -> tuple[LossHeadResult, Optional[FusedLossHead]]:
+    """A FusedLossHead for a head the model computes with ``F.linear`` (:class:`FunctionalHead`), if it
+    reproduces the run's loss on ``example``; the Engine's forward then routes that call to it
+    (:func:`head_calls`). Nothing in the model changes."""
+    path = f"{head.name} (F.linear)"
+    why = _unfit_targets(example)
+    if why:
+        return LossHeadResult(path, False, why), None
+    return _install(model, head, path, contract, example, run_dtype, context, lambda m: None)
+
+
+def _install(model: nn.Module, head: nn.Module, path: str, contract: LossContract, example: Batch,
+             run_dtype: torch.dtype, context, put) -> tuple[LossHeadResult, Optional[FusedLossHead]]:
+    """Try the fused head built on ``head`` (``put`` puts a module in the head's place), both target
+    alignments where the targets could be either, against the stock loss on two rows of ``example``."""
+    from .rewrite import sqnr
+
+    targets, _ = loss_targets(example)
     sample = _first_rows(example, 2)
     ref_loss, ref_grad, why, settings = _run(model, head, contract, sample, context, None)
     if why:
-        return LossHeadResult(head_path, False, why), None
+        return LossHeadResult(path, False, why), None
     rel_bound, sqnr_bound = LOSS_TOLERANCES.get(run_dtype, LOSS_TOLERANCES[torch.float32])
     causal_first = is_causal_model(model) and example.kind == "mapping"
     tried = []
@@ -505,19 +640,19 @@ def install_loss_head(model: nn.Module, head_path: str, contract: LossContract, 
         if shift and targets.dim() < 2:
             continue
         fused = FusedLossHead(head, shift, **settings)
-        setattr(owner, name, fused)
+        put(fused)
         try:
             loss, grad, _, _ = _run(model, fused, contract, sample, context, fused)
         except Exception as exc:  # noqa: BLE001 - the user's forward may not run this way; report it
-            setattr(owner, name, head)
-            return LossHeadResult(head_path, False, f"the fused head could not run ({type(exc).__name__}: {exc})"), None
+            put(head)
+            return LossHeadResult(path, False, f"the fused head could not run ({type(exc).__name__}: {exc})"), None
         rel = abs(float(loss) - float(ref_loss)) / max(abs(float(ref_loss)), 1e-12)
         ratio = sqnr(ref_grad, grad)
         if rel <= rel_bound and ratio >= sqnr_bound:
-            return LossHeadResult(head_path, True, shift=shift, loss_rel_error=rel, grad_sqnr_db=ratio,
+            return LossHeadResult(path, True, shift=shift, loss_rel_error=rel, grad_sqnr_db=ratio,
                                   grad_of="weight" if head.weight.requires_grad else "input"), fused
-        setattr(owner, name, head)
+        put(head)
         tried.append(f"{'shifted' if shift else 'as given'}: loss off by {rel:.2g} (allowed {rel_bound:g}), "
                      f"head grad SQNR {ratio:.1f} dB (needs {sqnr_bound:g})")
-    return LossHeadResult(head_path, False, "the fused loss does not reproduce the run's loss ("
+    return LossHeadResult(path, False, "the fused loss does not reproduce the run's loss ("
                           + "; ".join(tried) + "); the loss may do more than cross-entropy on the logits"), None

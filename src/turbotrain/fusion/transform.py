@@ -77,15 +77,24 @@ class FusionTransform(Transform):
         self.report.param_map.clear()
         if "linear_cross_entropy" in self.patterns:
             if plan.head_path is None:
-                from .loss_head import NO_HEAD, LossHeadResult
-
-                self.loss_head = LossHeadResult("<none>", False, NO_HEAD)
+                self.loss_head, fused = self._functional_head(model, ctx, context)
+                plan.loss_head = fused
             else:
                 self.loss_head, fused = install_loss_head(model, plan.head_path, ctx.loss_contract, example,
                                                           ctx.dtype, context)
                 if fused is not None:
                     plan.loss_head = plan.head = fused
         plan.record_norms(model)  # fused LayerNorm+act modules hold norm parameters too
+
+    @staticmethod
+    def _functional_head(model: nn.Module, ctx: ApplyContext, context):
+        """The fused head for logits the model computes with ``F.linear`` on a Parameter no Linear holds."""
+        from .loss_head import NO_HEAD, LossHeadResult, functional_head_of, install_functional_loss_head
+
+        head = functional_head_of(model, ctx.example, context)
+        if head is None:
+            return LossHeadResult("<none>", False, NO_HEAD), None
+        return install_functional_loss_head(model, head, ctx.loss_contract, ctx.example, ctx.dtype, context)
 
     def describe(self) -> str:
         note = "" if self.left_out is None else "\n" + self.left_out

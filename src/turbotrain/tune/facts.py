@@ -48,7 +48,7 @@ class ModelFacts:
     block_problem: str | None = None
     """Why there is nothing to checkpoint, or None."""
     logits_bytes: int = 0
-    """Size of the logits in FP32 (0 when no Linear produces the model's logits)."""
+    """Size of the logits in FP32 (0 when no head produces the model's logits)."""
     sites: dict = field(default_factory=dict)
     """Pattern -> number of fusable sites found."""
     site_problems: dict = field(default_factory=dict)
@@ -120,6 +120,7 @@ def _block_hooks(model: nn.Module, saved: _SavedBytes, facts: ModelFacts, inputs
 
 
 def _find_sites(build_model, batch, device, has_loss_fn: bool) -> tuple[dict, dict]:
+    from ..fusion.loss_head import NO_HEAD, functional_head_of
     from ..fusion.patterns import find_sites
     from ..fusion.probe import probe
 
@@ -135,10 +136,12 @@ def _find_sites(build_model, batch, device, has_loss_fn: bool) -> tuple[dict, di
             problems.setdefault(site.pattern, site.problem)
     trace.release()
     head = find_head(model, lambda: model(*b.args, **b.kwargs))
+    if head is None:
+        head = functional_head_of(model, b)
     if head is not None:
         sites["linear_cross_entropy"] = 1
     else:
-        problems["linear_cross_entropy"] = "no Linear produces the logits the model returns"
+        problems["linear_cross_entropy"] = NO_HEAD
     return sites, problems
 
 
@@ -148,6 +151,7 @@ def _first_row(batch):
 
 def analyse(build_model, loss_fn, batch, device: str | torch.device = "cpu") -> ModelFacts:
     """Facts of ``build_model()`` trained on ``batch`` with ``loss_fn`` (None: the model's own loss)."""
+    from ..fusion.loss_head import functional_head_of, head_calls
     from ..profile.counting import OpCounter
 
     device = torch.device(device)
@@ -162,15 +166,15 @@ def analyse(build_model, loss_fn, batch, device: str | torch.device = "cpu") -> 
     contract = LossContract(loss_fn)
     saved = _SavedBytes(params)
     head_path = find_head(model, lambda: model(*b.args, **b.kwargs))
+    head = model.get_submodule(head_path) if head_path is not None else functional_head_of(model, b)
     block_inputs: list[int] = []
     handles = _block_hooks(model, saved, facts, block_inputs)
-    if head_path is not None:
-        head = model.get_submodule(head_path)
+    if head is not None:
         handles.append(head.register_forward_hook(
             lambda m, a, out: setattr(facts, "logits_bytes", out.numel() * 4) if isinstance(out, torch.Tensor) else None))
     try:
         with OpCounter() as counter:
-            with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+            with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t), head_calls(head):
                 loss = contract(model, b)
             loss.backward()
     finally:

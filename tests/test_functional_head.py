@@ -1,0 +1,132 @@
+"""The fused linear+cross-entropy on a head the model writes as ``F.linear(h, W)`` on a Parameter no
+Linear holds (a tied embedding written out, as OLMo's code does): found by data flow, checked against
+the stock loss, and reached through a function mode while the Engine's forward runs; the model and
+its state_dict stay as the user built them."""
+
+import pytest
+import torch
+from torch import nn
+
+from turbotrain import Config, Engine
+from turbotrain.fusion.loss_head import FusedLossHead
+
+F = nn.functional
+VOCAB, D = 40, 16
+
+
+class FunctionalGPT(nn.Module):
+    def __init__(self, what="loss_fn"):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, D)
+        nn.init.normal_(self.emb.weight, std=0.3)
+        self.mix = nn.Linear(D, D)
+        self.out_bias = nn.Parameter(torch.zeros(VOCAB)) if what == "bias" else None
+        self.what = what
+
+    def forward(self, idx, targets=None):
+        x = torch.tanh(self.mix(self.emb(idx)))
+        if self.what == "matmul":  # Gemma's reference code
+            logits = torch.matmul(x, self.emb.weight.t())
+        elif self.what == "T":
+            logits = x @ self.emb.weight.T
+        else:
+            logits = F.linear(x, self.emb.weight, self.out_bias)
+        if self.what != "own":
+            return logits
+        loss = None if targets is None else F.cross_entropy(logits.view(-1, VOCAB), targets.view(-1), ignore_index=-1)
+        return logits, loss
+
+
+def lm_loss(logits, targets):
+    return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1), ignore_index=-1)
+
+
+def capped_loss(logits, targets):
+    return lm_loss(3.0 * torch.tanh(logits / 3.0), targets)
+
+
+def batches(n=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, VOCAB, (4, 13), generator=g)
+        targets = ids[:, 1:].clone()
+        targets[:, -3:] = -1
+        out.append((ids[:, :-1].contiguous(), targets))
+    return out
+
+
+def train(what, fuse, precision="fp32", compile=False):
+    torch.manual_seed(0)
+    model = FunctionalGPT(what)
+    loss_fn = None if what == "own" else capped_loss if what == "softcap" else lm_loss
+    engine = Engine(model, lambda p: torch.optim.AdamW(p, lr=1e-2), loss_fn,
+                    config=Config(device="cpu", precision=precision, fuse=fuse, compile=compile))
+    stats = [engine.step(b) for b in batches()]
+    engine.last_stats = stats[-1]
+    return engine, [float(s.loss) for s in stats]
+
+
+@pytest.mark.parametrize("what", ["loss_fn", "own", "bias", "matmul", "T"])
+def test_a_functional_tied_head_is_fused_and_trains_as_the_stock_run(what):
+    engine, fused = train(what, ("linear_cross_entropy",))
+    head = engine._transform("fusion").loss_head
+    assert head.fused, head.reason
+    assert head.path == "emb.weight (F.linear)"
+    assert isinstance(engine.plan.loss_head, FusedLossHead)
+    assert not any(isinstance(m, FusedLossHead) for m in engine.module.modules())  # nothing swapped in
+    assert set(engine.module.state_dict()) == set(FunctionalGPT(what).state_dict())
+    _, stock = train(what, False)
+    assert fused == pytest.approx(stock, rel=1e-5)
+
+
+def test_outside_the_training_step_the_model_computes_its_logits():
+    engine, _ = train("loss_fn", ("linear_cross_entropy",))
+    idx, targets = batches(1, seed=3)[0]
+    with torch.no_grad():
+        logits = engine.module(idx)
+        x = torch.tanh(engine.module.mix(engine.module.emb(idx)))
+        assert torch.allclose(logits, x @ engine.module.emb.weight.T, atol=1e-6)
+        assert engine.eval_loss([(idx, targets)]) == pytest.approx(float(lm_loss(logits, targets)), rel=1e-6)
+
+
+def test_a_soft_capped_loss_on_a_functional_head_leaves_it_unfused_with_the_reason():
+    engine, losses = train("softcap", ("linear_cross_entropy",))
+    head = engine._transform("fusion").loss_head
+    assert not head.fused and "pass through" in head.reason, head.reason
+    assert engine.plan.loss_head is None
+    _, stock = train("softcap", False)
+    assert losses == pytest.approx(stock, rel=1e-6)
+
+
+@pytest.mark.parametrize("what", ["loss_fn", "matmul", "T"])
+def test_the_functional_fused_head_compiles_without_recompiles(what):
+    torch._dynamo.reset()
+    engine, fused = train(what, ("linear_cross_entropy",), compile=True)
+    assert engine._transform("fusion").loss_head.fused
+    assert engine.last_stats.recompiles == 0
+    _, stock = train(what, False)
+    assert fused == pytest.approx(stock, rel=1e-4)
+
+
+def test_the_functional_fused_head_in_bf16_master_follows_the_unfused_run():
+    engine, fused = train("own", ("linear_cross_entropy",), precision="bf16-master")
+    assert engine._transform("fusion").loss_head.fused
+    _, stock = train("own", False, precision="bf16-master")
+    assert fused == pytest.approx(stock, rel=2e-2)
+    assert fused[-1] < fused[0]
+
+
+@pytest.mark.parametrize("loss_fn, why", [(lm_loss, ""), (capped_loss, "pass through")])
+def test_profile_and_tune_see_the_functional_head(loss_fn, why):
+    from turbotrain.batch import LossContract, as_batch
+    from turbotrain.fusion.loss_head import loss_head_refusal
+    from turbotrain.tune.facts import analyse
+
+    torch.manual_seed(0)
+    model, batch = FunctionalGPT(), batches(1)[0]
+    refusal = loss_head_refusal(model, None, LossContract(loss_fn), as_batch(batch, torch.device("cpu"), True))
+    assert (why in refusal) if why else refusal == ""
+    facts = analyse(FunctionalGPT, loss_fn, batch)
+    assert facts.sites["linear_cross_entropy"] == 1
+    assert facts.logits_bytes == 4 * 12 * VOCAB * 4  # rows x positions x vocabulary, FP32
