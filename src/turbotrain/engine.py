@@ -15,6 +15,7 @@ for a factory). See docs/architecture.md.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import warnings
 from dataclasses import dataclass
@@ -107,6 +108,23 @@ def build_transforms(config: Config, device: torch.device) -> list[Transform]:
     return out
 
 
+def _unwrap_compiled(model: nn.Module, config: Config) -> tuple[nn.Module, Config]:
+    """A model handed over as ``torch.compile(model)``: the module inside it, trained with the Engine's own
+    compile of forward and loss (said once). The wrapper's graphs are guarded on the module's hooks, which
+    the set-up's checks add and remove, so it would recompile at each of them, reach Dynamo's limit of
+    8 and then run uncompiled for the rest of the run."""
+    inner = getattr(model, "_orig_mod", None)
+    if not isinstance(model, torch._dynamo.eval_frame.OptimizedModule) or not isinstance(inner, nn.Module):
+        return model, config
+    if not config.compile:
+        config = dataclasses.replace(config, compile=True)
+    warnings.warn("the model was passed wrapped by torch.compile: the Engine trains the module inside it and "
+                  "compiles forward and loss as one graph itself (Config(compile=True)); the wrapper and its "
+                  "options are not used. Pass the module itself (model._orig_mod) to choose: compile=False "
+                  "runs it eagerly.", stacklevel=3)
+    return inner, config
+
+
 class Engine:
     """Train ``model`` with ``optimizer``; the loss is ``loss_fn``'s or, without one, the model's own.
 
@@ -149,6 +167,7 @@ class Engine:
         elif not isinstance(config, Config):
             raise ConfigError(f"config must be a turbotrain.Config, got {type(config).__name__}; "
                               "write config=turbotrain.Config(**settings)")
+        model, config = _unwrap_compiled(model, config)
         if scheduler is not None and not callable(scheduler) and not hasattr(scheduler, "step"):
             raise ConfigError("scheduler must be an LR scheduler or a factory taking the optimizer")
         self.config = config
