@@ -1,6 +1,8 @@
 """Models handed to the Engine the way users often have them already: wrapped by ``torch.compile``, or
 cast to bf16 (``from_pretrained(torch_dtype=torch.bfloat16)``)."""
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -59,3 +61,27 @@ def test_a_compiled_model_is_trained_through_the_engines_own_compile_and_said_on
         opt.step()
         expected.append(float(loss))
     assert [float(s.loss) for s in stats] == pytest.approx(expected, rel=1e-4)
+
+
+def test_a_bf16_model_under_bf16_master_keeps_its_norms_fp32_so_they_train():
+    torch.manual_seed(0)
+    model = TinyLM().to(torch.bfloat16)
+    engine = Engine(model, lambda p: torch.optim.AdamW(p, lr=1e-3), lm_loss,
+                    config=Config(device="cpu", precision="bf16-master"))
+    for b in batches():
+        engine.step(b)
+    assert model.ln.weight.dtype == torch.float32
+    # An update of 1e-3 on a weight of 1.0 is below bf16's resolution there (2^-8): held in bf16 it never moves.
+    assert (model.ln.weight - 1.0).abs().max() > 1e-3
+    assert model.mix.weight.dtype == torch.bfloat16
+
+
+def test_fp32_on_a_bf16_model_says_that_it_trains_in_bf16():
+    model = TinyLM().to(torch.bfloat16)
+    with pytest.warns(UserWarning, match=r"precision='fp32', but 7 of the model's parameters are bfloat16"):
+        engine = Engine(model, lambda p: torch.optim.AdamW(p, lr=1e-3), lm_loss, config=Config(device="cpu"))
+        engine.step(batches(1)[0])
+    assert model.mix.weight.dtype == torch.bfloat16  # the model's dtype is the user's
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        engine.step(batches(1)[0])  # said once

@@ -134,13 +134,22 @@ class Precision(Transform):
 
     def apply(self, model: nn.Module, plan: ModelPlan, ctx: ApplyContext) -> None:
         self._model = model
-        if not self.master or self.sharded:
+        low = [(n, p) for n, p in model.named_parameters() if p.is_floating_point() and p.dtype != torch.float32]
+        if self.sharded:
+            return
+        if not self.master:
+            if low:
+                _warn_low_precision_model(self.mode, low)
             return
         keep = set(plan.norm_params)
         if self.keep_fp32_head:
             keep.update(plan.head_params())
         norm_modules = {m for m in model.modules() if any(p in plan.norm_params for p in m.parameters(recurse=False))}
         for p in model.parameters():
+            if p in keep and p.is_floating_point() and p.dtype != torch.float32:
+                # A model handed over in bf16/fp16 (from_pretrained(torch_dtype=...)): its norm weights would
+                # step in that dtype with no master, where an update below 2^-8 of a weight near 1 is lost.
+                p.data = p.data.float()
             if p in keep or not p.is_floating_point():
                 continue
             master = nn.Parameter(p.detach().clone().float(), requires_grad=p.requires_grad)
@@ -341,6 +350,19 @@ class _Fp32Forward:
         if low is not None and self.cast_back:
             out = tree_map_only(torch.Tensor, lambda t: t.to(low) if t.dtype is torch.float32 else t, out)
         return out
+
+
+def _warn_low_precision_model(mode: str, low: list) -> None:
+    """precision=fp32 (or a -mixed mode, which keeps FP32 parameters) on a model whose parameters came in a
+    lower precision: the Engine leaves the model's dtype as it is, and says what that means once."""
+    dtypes = sorted({str(p.dtype).removeprefix("torch.") for _, p in low})
+    warnings.warn(
+        f"precision={mode!r}, but {len(low)} of the model's parameters are {'/'.join(dtypes)} (e.g. {low[0][0]!r}): "
+        "the Engine leaves the model's dtype alone, so they train in that dtype, optimizer step included, with no "
+        "FP32 copy (a norm weight near 1 loses any update below 2^-8 of it in bf16). For FP32 master weights use "
+        "precision='bf16-master' (or 'auto'); for FP32 training call model.float() before building the Engine.",
+        stacklevel=5,
+    )
 
 
 def _to_fp32(t: torch.Tensor) -> torch.Tensor:
