@@ -119,3 +119,25 @@ def test_gemma2s_soft_capped_logits_keep_their_own_loss():
     head = engine._transform("fusion").loss_head
     assert not head.fused and "log-softmax" in head.reason, head.reason
     assert {s.pattern for s in engine.fusion_report.fused} >= {"qkv"}
+
+
+def test_checkpoint_blocks_on_t5_switches_off_the_decoder_stacks_own_cache():
+    """T5ForConditionalGeneration passes use_cache=None down, and its decoder stack reads a copy of the
+    config of its own: with only model.config.use_cache switched off the decoder still wrote a KV cache,
+    and the recomputation, which found it full, failed ("a different number of tensors was saved")."""
+    def run(config):
+        torch.manual_seed(0)
+        model = transformers.T5ForConditionalGeneration(transformers.T5Config(
+            vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, dropout_rate=0.0,
+            decoder_start_token_id=0, pad_token_id=0))
+        engine = Engine(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config=config)
+        g = torch.Generator().manual_seed(1)
+        losses = [float(engine.step({"input_ids": torch.randint(1, 64, (2, 10), generator=g),
+                                     "labels": torch.randint(1, 64, (2, 8), generator=g)}).loss) for _ in range(3)]
+        return engine, losses
+
+    _, ref = run(Config(device="cpu"))
+    engine, losses = run(Config(device="cpu", checkpoint="blocks"))
+    assert checkpointed_blocks(engine.module)
+    assert not any(getattr(getattr(m, "config", None), "use_cache", False) for m in engine.module.modules())
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-4, atol=1e-5)

@@ -25,12 +25,16 @@ class CheckpointTransform(Transform):
         self.blocks_path, blocks = find_block_list(model)
         self.count = (len(range(0, len(blocks), self.every)), len(blocks))
         apply_checkpointing(model, self.mode, self.every)
-        config = getattr(model, "config", None)
-        if getattr(config, "use_cache", False):
-            # A KV cache written in forward would be written again by the recomputation (HF's own
-            # gradient_checkpointing_enable() switches it off for the same reason).
+        # A KV cache written in forward would be written again by the recomputation (HF's own
+        # gradient_checkpointing_enable() switches it off for the same reason). Every config the model
+        # holds: T5's decoder stack reads a copy of its own when the top model passes use_cache=None.
+        configs = {id(c): (name, c) for name, m in model.named_modules()
+                   if getattr(c := getattr(m, "config", None), "use_cache", False) is True}
+        for name, config in configs.values():
             config.use_cache = False
-            plan.notes.append("checkpoint: set model.config.use_cache = False (a cache cannot be recomputed)")
+        if configs:
+            where = ", ".join(f"{name}.config" if name else "model.config" for name, _ in configs.values())
+            plan.notes.append(f"checkpoint: set use_cache = False in {where} (a cache cannot be recomputed)")
 
     def describe(self) -> str:
         which = "" if self.count is None or self.every == 1 else \
