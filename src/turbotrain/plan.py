@@ -37,8 +37,7 @@ from torch import nn
 
 from .utils import leaves_no_trace
 
-__all__ = ["Transform", "ModelPlan", "ApplyContext", "StepContext", "is_norm_module", "find_head",
-           "find_functional_head", "NORM_MODULE_TYPES"]
+__all__ = ["Transform", "ModelPlan", "ApplyContext", "StepContext", "is_norm_module", "find_head", "NORM_MODULE_TYPES"]
 
 
 #: torch's normalisation layers (their parameters stay FP32 in every low-precision mode).
@@ -282,50 +281,3 @@ def find_head(model: nn.Module, run=None) -> Optional[str]:
             return next(n for n, m in model.named_modules() if m is head)
     return None
 
-
-class _FunctionalLinears(torch.overrides.TorchFunctionMode):
-    """Records, into ``outputs``, each ``F.linear`` output whose weight is one of ``names`` (the
-    model's Parameters that no Linear holds), under ``(weight name, bias name)``; and each matmul
-    with the transpose of such a Parameter (``h @ W.t()``), under ``(weight name, None)``."""
-
-    def __init__(self, names: dict, outputs: dict):
-        super().__init__()
-        self.names, self.outputs = names, outputs
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        from .fusion.loss_head import _MATMULS, transposed_parameter
-
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        if not isinstance(out, torch.Tensor):
-            return out
-        if func in _MATMULS and len(args) == 2:
-            weight = self.names.get(id(transposed_parameter(args[1])))
-            if weight is not None:
-                self.outputs[out.data_ptr()] = ((weight, None), weakref.ref(out))
-        elif func is torch.nn.functional.linear:
-            bound = dict(zip(("input", "weight", "bias"), args), **kwargs)
-            weight, bias = self.names.get(id(bound.get("weight"))), bound.get("bias")
-            bias_name = None if bias is None else self.names.get(id(bias))
-            if weight is not None and (bias is None or bias_name is not None):
-                self.outputs[out.data_ptr()] = ((weight, bias_name), weakref.ref(out))
-        return out
-
-
-def find_functional_head(model: nn.Module, run) -> Optional[tuple[str, Optional[str]]]:
-    """(weight name, bias name or None) of the ``F.linear`` call whose output is the logits the model
-    returns, where that weight is a Parameter no Linear holds: a tied embedding written out,
-    ``F.linear(x, self.wte.weight)``. Found by data flow, as :func:`find_head` finds a Linear (the
-    log-softmax of the logits, or the whole output a ``F.cross_entropy`` took, count as well)."""
-    in_linears = {id(p) for m in model.modules() if isinstance(m, nn.Linear) for p in m.parameters(recurse=False)}
-    names = {id(p): n for n, p in model.named_parameters() if id(p) not in in_linears}
-    if not names:
-        return None
-    outputs: dict = {}
-    with torch.no_grad(), leaves_no_trace(model), _FunctionalLinears(names, outputs), \
-            _LogSoftmaxOfHead(outputs) as mode:
-        logits = _logits_of(run())
-    if logits is None:
-        return mode.scored
-    found, ref = outputs.get(logits.data_ptr(), (None, None))
-    return found if ref is not None and ref() is not None else None

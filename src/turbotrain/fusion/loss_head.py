@@ -14,7 +14,7 @@ call on the placeholder returns the fused loss of the head's input against the t
 
 A head the model writes out, ``F.linear(h, self.wte.weight)`` or ``h @ self.wte.weight.t()`` on a
 Parameter no Linear holds (a tied embedding, in OLMo's and Gemma's reference code), has no module to
-swap: it is found by the same data flow (:func:`~turbotrain.plan.find_functional_head`), stood for by
+swap: it is found by the same data flow (:func:`find_functional_head`), stood for by
 a :class:`FunctionalHead` outside the model, and the call reaches the fused head through a function
 mode (:func:`head_calls`) while the Engine's forward runs; the model and its state_dict are untouched.
 
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -40,12 +41,14 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from ..batch import IGNORE_INDEX, Batch, LossContract, is_causal_model, model_loss
+from ..plan import _logits_of, _LogSoftmaxOfHead
 from ..utils import leaves_no_trace
 from .modules import _compute_dtype
 from .ops.linear_cross_entropy import linear_cross_entropy
 
 __all__ = ["FusedLossHead", "FunctionalHead", "LossHeadResult", "OwnLossMode", "head_calls", "install_loss_head",
-           "functional_head_of", "install_functional_loss_head", "loss_head_refusal", "own_loss_batch", "LOSS_TOLERANCES"]
+           "functional_head_of", "install_functional_loss_head", "loss_head_refusal", "own_loss_batch",
+           "LOSS_TOLERANCES"]
 
 #: How close the fused loss must be to the stock one, per run dtype: (relative loss error, minimum
 #: SQNR of the head weight's gradient in dB). bf16 logits are rounded before the stock softmax while
@@ -229,6 +232,53 @@ class _HeadCalls(TorchFunctionMode):
               and transposed_parameter(args[1]) is self.site.weight):
             return self.module(args[0], weight=self.site.weight)
         return func(*args, **kwargs)
+
+
+class _FunctionalLinears(TorchFunctionMode):
+    """Records, into ``outputs``, each ``F.linear`` output whose weight is one of ``names`` (the
+    model's Parameters that no Linear holds), under ``(weight name, bias name)``; and each matmul
+    with the transpose of such a Parameter (``h @ W.t()``), under ``(weight name, None)``."""
+
+    def __init__(self, names: dict, outputs: dict):
+        super().__init__()
+        self.names, self.outputs = names, outputs
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not isinstance(out, Tensor):
+            return out
+        if func in _MATMULS and len(args) == 2:
+            weight = self.names.get(id(transposed_parameter(args[1])))
+            if weight is not None:
+                self.outputs[out.data_ptr()] = ((weight, None), weakref.ref(out))
+        elif func is F.linear:
+            bound = dict(zip(_LINEAR_ARGS, args), **kwargs)
+            weight, bias = self.names.get(id(bound.get("weight"))), bound.get("bias")
+            bias_name = None if bias is None else self.names.get(id(bias))
+            if weight is not None and (bias is None or bias_name is not None):
+                self.outputs[out.data_ptr()] = ((weight, bias_name), weakref.ref(out))
+        return out
+
+
+def find_functional_head(model: nn.Module, run) -> Optional[tuple[str, Optional[str]]]:
+    """(weight name, bias name or None) of the ``F.linear`` call whose output is the logits the model
+    returns, where that weight is a Parameter no Linear holds: a tied embedding written out,
+    ``F.linear(x, self.wte.weight)`` or ``x @ self.wte.weight.t()``. Found by data flow, as
+    :func:`~turbotrain.plan.find_head` finds a Linear (the log-softmax of the logits, or the whole
+    output a ``F.cross_entropy`` took, count as well)."""
+    in_linears = {id(p) for m in model.modules() if isinstance(m, nn.Linear) for p in m.parameters(recurse=False)}
+    names = {id(p): n for n, p in model.named_parameters() if id(p) not in in_linears}
+    if not names:
+        return None
+    outputs: dict = {}
+    with torch.no_grad(), leaves_no_trace(model), _FunctionalLinears(names, outputs), \
+            _LogSoftmaxOfHead(outputs) as mode:
+        logits = _logits_of(run())
+    if logits is None:
+        return mode.scored
+    found, ref = outputs.get(logits.data_ptr(), (None, None))
+    return found if ref is not None and ref() is not None else None
 
 
 def head_calls(head: nn.Module) -> contextlib.AbstractContextManager:
@@ -566,8 +616,6 @@ def _unfit_targets(example: Batch) -> str:
 def functional_head_of(model: nn.Module, example: Batch, context=contextlib.nullcontext) -> Optional[FunctionalHead]:
     """The :class:`FunctionalHead` of a model that computes its logits with ``F.linear`` (or a matmul with
     a transposed Parameter) on a Parameter no Linear holds, found by running ``example``; else None."""
-    from ..plan import find_functional_head
-
     with context():
         found = find_functional_head(model, lambda: model(*example.args, **example.kwargs))
     return None if found is None else FunctionalHead(model, *found)
