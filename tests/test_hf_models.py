@@ -141,3 +141,17 @@ def test_checkpoint_blocks_on_t5_switches_off_the_decoder_stacks_own_cache():
     assert checkpointed_blocks(engine.module)
     assert not any(getattr(getattr(m, "config", None), "use_cache", False) for m in engine.module.modules())
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-4, atol=1e-5)
+
+
+def test_checkpoint_blocks_on_a_model_that_checkpoints_itself_is_refused_with_the_fix():
+    from turbotrain.errors import ConfigError
+
+    model = build("llama")
+    model.gradient_checkpointing_enable()
+    with pytest.raises(ConfigError, match=r"checkpoints its own layers .*gradient_checkpointing_disable\(\)"):
+        engine = Engine(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                        config=Config(device="cpu", checkpoint="blocks"))
+        engine.step(batches("llama", 1)[0])
+    # the model's own checkpointing alone trains
+    engine = Engine(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config=Config(device="cpu"))
+    assert torch.isfinite(engine.step(batches("llama", 1)[0]).loss)

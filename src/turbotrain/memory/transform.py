@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from ..errors import ConfigError
 from ..plan import ApplyContext, ModelPlan, Transform
 from .checkpoint import apply_checkpointing, find_block_list
 
@@ -22,6 +23,15 @@ class CheckpointTransform(Transform):
         self.count = None
 
     def apply(self, model: nn.Module, plan: ModelPlan, ctx: ApplyContext) -> None:
+        own = next((name or "model" for name, m in model.named_modules()
+                    if getattr(m, "gradient_checkpointing", None) is True), None)
+        if own is not None:
+            # Hugging Face's flag on the modules whose layers it checkpoints itself: each layer would be
+            # recomputed inside a recomputation (the forward run three times for one backward).
+            raise ConfigError(f"the model checkpoints its own layers ({own}.gradient_checkpointing is True: "
+                              f"gradient_checkpointing_enable()), and Config(checkpoint={self.mode!r}) would "
+                              "checkpoint them again; drop one: model.gradient_checkpointing_disable(), or "
+                              "Config(checkpoint=None)")
         self.blocks_path, blocks = find_block_list(model)
         self.count = (len(range(0, len(blocks), self.every)), len(blocks))
         apply_checkpointing(model, self.mode, self.every)
