@@ -29,6 +29,8 @@ class FunctionalGPT(nn.Module):
             logits = torch.matmul(x, self.emb.weight.t())
         elif self.what == "T":
             logits = x @ self.emb.weight.T
+        elif self.what == "einsum":  # einops-minded code
+            logits = torch.einsum("b n d, c d -> b n c", x, self.emb.weight)
         else:
             logits = F.linear(x, self.emb.weight, self.out_bias)
         if self.what != "own":
@@ -67,7 +69,7 @@ def train(what, fuse, precision="fp32", compile=False):
     return engine, [float(s.loss) for s in stats]
 
 
-@pytest.mark.parametrize("what", ["loss_fn", "own", "bias", "matmul", "T"])
+@pytest.mark.parametrize("what", ["loss_fn", "own", "bias", "matmul", "T", "einsum"])
 def test_a_functional_tied_head_is_fused_and_trains_as_the_stock_run(what):
     engine, fused = train(what, ("linear_cross_entropy",))
     head = engine._transform("fusion").loss_head
@@ -78,6 +80,16 @@ def test_a_functional_tied_head_is_fused_and_trains_as_the_stock_run(what):
     assert set(engine.module.state_dict()) == set(FunctionalGPT(what).state_dict())
     _, stock = train(what, False)
     assert fused == pytest.approx(stock, rel=1e-5)
+
+
+@pytest.mark.parametrize("equation, linear", [
+    ("btd,vd->btv", True), ("b t d, v d -> b t v", True), ("bd,vd->bv", True),
+    ("btd,dv->btv", False), ("btd,vd->bvt", False), ("btd,ve->btv", False), ("...d,vd->...v", False)])
+def test_einsum_reads_as_a_linear_only_for_x_times_w_transposed(equation, linear):
+    from turbotrain.fusion.loss_head import einsum_as_linear
+
+    x, w = torch.zeros(2, 3, 4), torch.zeros(5, 4)
+    assert (einsum_as_linear((equation, x, w)) is not None) == linear
 
 
 def test_outside_the_training_step_the_model_computes_its_logits():
@@ -99,7 +111,7 @@ def test_a_soft_capped_loss_on_a_functional_head_leaves_it_unfused_with_the_reas
     assert losses == pytest.approx(stock, rel=1e-6)
 
 
-@pytest.mark.parametrize("what", ["loss_fn", "matmul", "T"])
+@pytest.mark.parametrize("what", ["loss_fn", "matmul", "T", "einsum"])
 def test_the_functional_fused_head_compiles_without_recompiles(what):
     torch._dynamo.reset()
     engine, fused = train(what, ("linear_cross_entropy",), compile=True)

@@ -12,11 +12,12 @@ reads its own keys) it keeps computing its loss: under :class:`OwnLossMode` its 
 call on the placeholder returns the fused loss of the head's input against the targets,
 ``ignore_index`` and reduction that call names, so whatever the code adds to that loss stays in it.
 
-A head the model writes out, ``F.linear(h, self.wte.weight)`` or ``h @ self.wte.weight.t()`` on a
-Parameter no Linear holds (a tied embedding, in OLMo's and Gemma's reference code), has no module to
-swap: it is found by the same data flow (:func:`find_functional_head`), stood for by
-a :class:`FunctionalHead` outside the model, and the call reaches the fused head through a function
-mode (:func:`head_calls`) while the Engine's forward runs; the model and its state_dict are untouched.
+A head the model writes out, ``F.linear(h, self.wte.weight)``, ``h @ self.wte.weight.t()`` or
+``torch.einsum("btd,vd->btv", h, self.wte.weight)`` on a Parameter no Linear holds (a tied
+embedding, in OLMo's and Gemma's reference code), has no module to swap: it is found by the same
+data flow (:func:`find_functional_head`), stood for by a :class:`FunctionalHead` outside the model,
+and the call reaches the fused head through a function mode (:func:`head_calls`) while the Engine's
+forward runs; the model and its state_dict are untouched.
 
 Whether the loss so computed equals the one the run would compute unfused is not assumed:
 :func:`install_loss_head` checks it on the first batch, in the run's precision, for the loss value
@@ -213,10 +214,25 @@ def transposed_parameter(t) -> Optional[Tensor]:
     return base
 
 
+def einsum_as_linear(args) -> Optional[tuple]:
+    """``(x, W)`` when ``torch.einsum(*args)`` is ``x @ W.t()`` over the last dimension of ``x``
+    (``"btd,vd->btv"``, spaces allowed, as einops-minded code writes a tied head); else None."""
+    if len(args) == 2 and isinstance(args[1], (list, tuple)):
+        args = (args[0], *args[1])
+    if len(args) != 3 or not isinstance(args[0], str) or not all(isinstance(t, Tensor) for t in args[1:]):
+        return None
+    inputs, arrow, out = args[0].replace(" ", "").partition("->")
+    a, comma, b = inputs.partition(",")
+    if (not arrow or not comma or "." in inputs or not a.isalpha() or len(set(a)) != len(a) or len(b) != 2
+            or b[1] != a[-1] or b[0] in a or out != a[:-1] + b[0]):
+        return None
+    return args[1], args[2]
+
+
 class _HeadCalls(TorchFunctionMode):
     """While the model runs: its ``F.linear`` call on a :class:`FunctionalHead`'s Parameters, or its
-    matmul with the transposed weight (``h @ W.t()``), goes to ``module`` (the FunctionalHead itself, or
-    the FusedLossHead built on it)."""
+    matmul with the transposed weight (``h @ W.t()``) or the einsum that computes it, goes to
+    ``module`` (the FunctionalHead itself, or the FusedLossHead built on it)."""
 
     def __init__(self, site: FunctionalHead, module: nn.Module):
         super().__init__()
@@ -228,16 +244,21 @@ class _HeadCalls(TorchFunctionMode):
             bound = dict(zip(_LINEAR_ARGS, args), **kwargs)
             if bound.get("weight") is self.site.weight and bound.get("bias") is self.site.bias:
                 return self.module(bound["input"], weight=bound["weight"], bias=bound.get("bias"))
-        elif (func in _MATMULS and len(args) == 2 and not kwargs and self.site.bias is None
-              and transposed_parameter(args[1]) is self.site.weight):
-            return self.module(args[0], weight=self.site.weight)
+        elif self.site.bias is None and not kwargs:
+            if func in _MATMULS and len(args) == 2 and transposed_parameter(args[1]) is self.site.weight:
+                return self.module(args[0], weight=self.site.weight)
+            if func is torch.einsum:
+                xw = einsum_as_linear(args)
+                if xw is not None and xw[1] is self.site.weight:
+                    return self.module(xw[0], weight=self.site.weight)
         return func(*args, **kwargs)
 
 
 class _FunctionalLinears(TorchFunctionMode):
     """Records, into ``outputs``, each ``F.linear`` output whose weight is one of ``names`` (the
     model's Parameters that no Linear holds), under ``(weight name, bias name)``; and each matmul
-    with the transpose of such a Parameter (``h @ W.t()``), under ``(weight name, None)``."""
+    with the transpose of such a Parameter (``h @ W.t()``), or einsum computing it, under
+    ``(weight name, None)``."""
 
     def __init__(self, names: dict, outputs: dict):
         super().__init__()
@@ -248,8 +269,9 @@ class _FunctionalLinears(TorchFunctionMode):
         out = func(*args, **kwargs)
         if not isinstance(out, Tensor):
             return out
-        if func in _MATMULS and len(args) == 2:
-            weight = self.names.get(id(transposed_parameter(args[1])))
+        if func in _MATMULS and len(args) == 2 or func is torch.einsum:
+            xw = einsum_as_linear(args) if func is torch.einsum else (args[0], transposed_parameter(args[1]))
+            weight = None if xw is None else self.names.get(id(xw[1]))
             if weight is not None:
                 self.outputs[out.data_ptr()] = ((weight, None), weakref.ref(out))
         elif func is F.linear:
