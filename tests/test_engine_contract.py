@@ -239,7 +239,7 @@ def test_a_dict_batch_with_a_loss_fn_gets_the_whole_batch():
         return F.cross_entropy(output.logits.flatten(0, 1), batch["target"].flatten())
 
     engine = Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn, config=Config(device="cpu"))
-    with pytest.raises(TypeError):  # every key is passed to the model: an unknown one is the model's error
+    with pytest.raises(ConfigError, match="key 'target' is not an argument"):  # every key is passed to the model
         engine.step({"input_ids": ids(), "target": ids()})
     assert engine.steps == 0
 
@@ -254,17 +254,32 @@ def test_a_tuple_batch_without_loss_fn_uses_the_models_forward_targets():
 
 
 @pytest.mark.parametrize("loss_fn, match", [
-    (lambda out, t: F.cross_entropy(out, t, reduction="none"), r"shape \(4,\).*reduction='mean'"),
+    (lambda out, t: F.cross_entropy(out, t, reduction="none"), r"shape \([24],\).*reduction='mean'"),
     (lambda out, t: 3, "not a tensor"),
     (lambda out, t: torch.tensor(3), "0-d floating"),
     (lambda out, t: F.cross_entropy(out, t).detach(), "does not require grad"),
+    (lambda out, t: (F.cross_entropy(out, t), {"acc": 0.5}),
+     r"a tuple of 2 starting with a 0-d tensor: return the loss alone"),
 ])
-def test_a_loss_that_is_not_a_0d_float_with_grad_is_refused(loss_fn, match):
-    model = nn.Linear(8, 3)
-    engine = Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn, config=Config(device="cpu"))
+@pytest.mark.parametrize("fuse", [False, ("linear_cross_entropy",)])
+def test_a_loss_that_is_not_a_0d_float_with_grad_is_refused(loss_fn, match, fuse):
+    """Also where the fused head's set-up reads the loss first (it read a tuple's .grad_fn)."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 3))
+    engine = Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn, config=Config(device="cpu", fuse=fuse))
     with pytest.raises(ConfigError, match=match):
         engine.step((torch.randn(4, 8), torch.tensor([0, 1, 2, 0])))
     assert engine.steps == 0
+
+
+def test_a_dict_batch_key_the_model_does_not_take_is_named():
+    model = DictModel()
+    engine = Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), config=Config(device="cpu"))
+    batch = {"input_ids": ids(), "labels": ids(), "row_ids": torch.arange(4), "text": ["a"] * 4}
+    with pytest.raises(ConfigError, match=r"keys 'row_ids', 'text' are not an argument of DictModel.forward"):
+        engine.step(batch)
+    assert engine.steps == 0
+    del batch["row_ids"], batch["text"]
+    assert torch.isfinite(engine.step(batch).loss)  # the Engine stays usable
 
 
 def test_a_model_without_its_own_loss_says_what_it_returned():

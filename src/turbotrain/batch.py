@@ -6,7 +6,8 @@ A batch is one of:
   ``loss_fn(output, targets)``; without a loss_fn, ``model(inputs, targets)`` and the model's own
   loss (nanoGPT's ``forward(idx, targets)``);
 - a mapping (a Hugging Face batch): the model is called as ``model(**batch)`` with every key passed
-  through; the loss is ``loss_fn(output, batch)``, or without a loss_fn the model's own;
+  through (a key ``forward`` does not take is a ConfigError naming it); the loss is
+  ``loss_fn(output, batch)``, or without a loss_fn the model's own;
 - a single tensor: ``model(batch)``, and the loss is ``loss_fn(output)`` or the model's own.
 
 The model's own loss is ``output.loss`` (Hugging Face), ``output["loss"]`` of a dict, a 0-d tensor
@@ -28,8 +29,8 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 
 from .errors import ConfigError
 
-__all__ = ["Batch", "ContractCall", "LossContract", "as_batch", "model_loss", "check_loss", "pad_to_bucket", "bucket_length",
-           "is_causal_model", "accepts_keyword", "IGNORE_INDEX"]
+__all__ = ["Batch", "ContractCall", "LossContract", "as_batch", "model_loss", "check_loss", "check_batch_keys",
+           "pad_to_bucket", "bucket_length", "is_causal_model", "accepts_keyword", "IGNORE_INDEX"]
 
 #: Label value every cross-entropy in turbotrain (and Hugging Face) ignores.
 IGNORE_INDEX = -100
@@ -130,8 +131,12 @@ def _describe(value) -> str:
 def check_loss(loss, source: str) -> torch.Tensor:
     """A loss must be a 0-d floating tensor with a gradient path; say what it is otherwise."""
     if not isinstance(loss, torch.Tensor):
+        hint = ""
+        if isinstance(loss, (tuple, list)) and loss and isinstance(loss[0], torch.Tensor) and loss[0].dim() == 0:
+            hint = (f" (a {type(loss).__name__} of {len(loss)} starting with a 0-d tensor: return the loss alone; "
+                    "the step takes one loss, so compute metrics apart from it)")
         raise ConfigError(f"{source} returned {_describe(loss)}, not a tensor; the loss must be a 0-d "
-                          "floating torch.Tensor")
+                          f"floating torch.Tensor{hint}")
     if loss.dim() != 0 or not loss.is_floating_point():
         hint = " (a per-element loss: use reduction='mean' or call .mean())" if loss.dim() else ""
         raise ConfigError(f"{source} returned {_describe(loss)}; the loss must be a 0-d floating tensor{hint}")
@@ -156,9 +161,10 @@ class LossContract:
     def loss(self, output, batch: Batch) -> torch.Tensor:
         if self.loss_fn is None:
             return model_loss(output)
-        if batch.kind == "tensor":
-            return self.loss_fn(output)
-        return self.loss_fn(output, batch.loss_input())
+        loss = self.loss_fn(output) if batch.kind == "tensor" else self.loss_fn(output, batch.loss_input())
+        if not isinstance(loss, torch.Tensor):  # said here, before anything reads it as a tensor
+            check_loss(loss, "loss_fn")
+        return loss
 
     def __call__(self, model, batch: Batch) -> torch.Tensor:
         return self.loss(model(*batch.args, **batch.kwargs), batch)
@@ -177,6 +183,25 @@ def accepts_keyword(model: nn.Module, name: str) -> bool:
     except (TypeError, ValueError):
         return False
     return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+def check_batch_keys(model: nn.Module, batch: Batch) -> None:
+    """A dict batch is passed as ``model(**batch)``: a key that ``model.forward`` does not take (and no
+    ``**kwargs`` to take it) is named here, with the fix, instead of the model's own TypeError."""
+    if batch.kind != "mapping":
+        return
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return
+    unknown = [k for k in batch.kwargs if k not in params]
+    if unknown:
+        raise ConfigError(f"the batch's key{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} "
+                          f"{'are' if len(unknown) > 1 else 'is'} not an argument of "
+                          f"{type(model).__name__}.forward({', '.join(params)}); a dict batch is passed as "
+                          "model(**batch): drop such keys from the batch (or have forward take them)")
 
 
 def is_causal_model(model: nn.Module) -> bool:

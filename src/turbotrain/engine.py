@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from . import checkpoint as ckpt
-from .batch import Batch, ContractCall, LossContract, as_batch, check_loss, pad_to_bucket
+from .batch import Batch, ContractCall, LossContract, as_batch, check_batch_keys, check_loss, pad_to_bucket
 from .config import Config
 from .errors import CheckpointError, ConfigError, DistributedError, HardwareError, MetaInitError, TurbotrainError
 from .guards import Guards, ShadowCheck, StepSkipped
@@ -324,6 +324,7 @@ class Engine:
 
     def _prepare_batch(self, batch) -> Batch:
         b = as_batch(batch, self.device, self.loss_fn is not None)
+        check_batch_keys(self.module, b)
         if not self.ready:
             self._setup(b)
         if self.config.seq_buckets:  # pad to a few lengths so torch.compile sees few shapes

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from ..batch import IGNORE_INDEX, Batch, LossContract, is_causal_model, model_loss
+from ..batch import IGNORE_INDEX, Batch, LossContract, check_loss, is_causal_model, model_loss
 from ..plan import _logits_of, _LogSoftmaxOfHead
 from ..utils import leaves_no_trace
 from .modules import _compute_dtype
@@ -586,7 +586,7 @@ def _run(model, head, contract: LossContract, batch: Batch, context, fused: Opti
             with context(), head_calls(head):
                 torch.manual_seed(0)  # same dropout masks in the stock and the fused run
                 if fused is None:
-                    loss = contract(model, batch)
+                    loss = check_loss(contract(model, batch), contract.source)  # a bad loss is the user's to fix
                 elif own_loss_batch(batch):
                     loss = own_loss(model, fused, batch, contract)
                 else:
