@@ -145,3 +145,44 @@ def test_a_loss_term_that_does_not_come_from_the_logits_keeps_the_head_unfused(a
         assert not head.fused and "does not come from the logits" in head.reason, head.reason
     else:
         assert head.fused, head.reason
+
+
+class DtypeBranchLM(nn.Module):
+    """A forward that does something else once the model is low precision (a logit scale applied only
+    then): the set-up's first check runs before a master-weight mode casts the model, so only the
+    second check, on the cast model, can see it."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.mix, self.lm_head = nn.Embedding(VOCAB, D), nn.Linear(D, D), nn.Linear(D, VOCAB)
+
+    def forward(self, idx):
+        logits = self.lm_head(torch.tanh(self.mix(self.emb(idx))))
+        return logits * 4.0 if self.lm_head.weight.dtype == torch.bfloat16 else logits
+
+
+def test_the_fused_head_is_checked_again_on_the_model_as_cast_and_rolled_back_there():
+    def run(fuse, model_cls=DtypeBranchLM):
+        torch.manual_seed(0)
+        engine = Engine(model_cls(), lambda p: torch.optim.AdamW(p, lr=1e-2),
+                        lambda logits, t: F.cross_entropy(logits.flatten(0, 1), t.flatten(), ignore_index=-1),
+                        config=Config(device="cpu", precision="bf16-master", fuse=fuse))
+        return engine, [float(engine.step(b).loss) for b in batches()]
+
+    engine, losses = run(("linear_cross_entropy",))
+    head = engine._transform("fusion").loss_head
+    assert not head.fused and "checked again with the model in bfloat16" in head.reason, head.reason
+    assert "Mul" in head.reason and engine.plan.loss_head is None
+    assert type(engine.module.lm_head) is nn.Linear
+    _, stock = run(False)
+    assert losses == pytest.approx(stock, rel=1e-6)
+
+
+def test_a_fused_head_checked_again_in_bf16_says_so():
+    torch.manual_seed(0)
+    engine = Engine(TinyGPT(), lambda p: torch.optim.AdamW(p, lr=1e-2),
+                    config=Config(device="cpu", precision="bf16-master", fuse=("linear_cross_entropy",)))
+    engine.step(batches(1)[0])
+    head = engine._transform("fusion").loss_head
+    assert head.fused and head.checked_in is torch.bfloat16
+    assert "dB in bfloat16" in engine.describe()

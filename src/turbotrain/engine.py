@@ -256,6 +256,8 @@ class Engine:
                           "is kept in FP32", stacklevel=3)
         for t in self.transforms:
             t.apply(model, plan, ctx)
+        for t in self.transforms:
+            t.verify(model, plan, ctx)
         self.optimizer = bind_optimizer(self._optimizer_arg, plan, model)
         self._bind_scheduler()
         ctx.optimizer = self.optimizer

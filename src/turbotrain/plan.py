@@ -6,6 +6,7 @@ optimizer from the parameters they leave behind, and then only calls their hooks
 
     place(device)              before the model moves: pick the device (data parallel: the rank's GPU)
     apply(model, plan, ctx)    change the model in place, record what was learnt in the plan
+    verify(model, plan, ctx)   every transform has applied: check what only the final model shows
     wrap_module(module, ...)   wrap the module the forward calls (DDP), after the optimizer exists
     wrap_runner(runner, ...)   wrap the function that runs forward and loss (torch.compile)
     forward_context()          around forward and loss (autocast, the FP32 keep-list)
@@ -155,6 +156,10 @@ class Transform:
 
     def apply(self, model: nn.Module, plan: ModelPlan, ctx: ApplyContext) -> None:
         pass
+
+    def verify(self, model: nn.Module, plan: ModelPlan, ctx: ApplyContext) -> None:
+        """After every transform's apply (the model as it will run: cast, checkpointed), before the
+        optimizer is built; may undo what this transform did."""
 
     def wrap_module(self, module: nn.Module, plan: ModelPlan, ctx: ApplyContext) -> nn.Module:
         return module

@@ -25,7 +25,10 @@ and the head's weight gradient, with the targets as given and shifted by one (ca
 leaves the model as it was, with the reason, when neither matches. Before that it reads the stock
 loss's autograd graph: between the head and cross-entropy's log-softmax the logits may be viewed,
 cast and selected but not transformed, since a soft cap or a logit scale changes the loss little
-on the small logits of an initialised model and much once training has grown them.
+on the small logits of an initialised model and much once training has grown them. A master-weight
+mode casts the model only after all this, so :func:`recheck_loss_head` makes both checks once more on
+the cast model (a forward that branches on its dtype shows only there) and rolls the head back if
+it no longer passes.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import math
 import weakref
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -49,7 +53,7 @@ from .ops.linear_cross_entropy import linear_cross_entropy
 
 __all__ = ["FusedLossHead", "FunctionalHead", "LossHeadResult", "OwnLossMode", "head_calls", "install_loss_head",
            "functional_head_of", "install_functional_loss_head", "loss_head_refusal", "own_loss_batch",
-           "LOSS_TOLERANCES"]
+           "recheck_loss_head", "LOSS_TOLERANCES"]
 
 #: How close the fused loss must be to the stock one, per run dtype: (relative loss error, minimum
 #: SQNR of the head weight's gradient in dB). bf16 logits are rounded before the stock softmax while
@@ -404,6 +408,9 @@ class LossHeadResult:
     grad_sqnr_db: float = math.nan
     grad_of: str = "weight"
     """Whose gradient the check compared: the head's weight, or its input where the weight is frozen."""
+    checked_in: Optional[torch.dtype] = None
+    """The dtype of the head's weight when the figures above were taken (set-up's check, or the second
+    check on the model cast to bf16/fp16 by a master-weight mode)."""
 
 
 def loss_targets(batch: Batch, model: Optional[nn.Module] = None) -> tuple[Optional[Tensor], Batch]:
@@ -710,6 +717,8 @@ def _install(model: nn.Module, head: nn.Module, path: str, contract: LossContrac
         if shift and targets.dim() < 2:
             continue
         fused = FusedLossHead(head, shift, **settings)
+        # What recheck_loss_head needs to compare again and roll back (plain attributes, not submodules).
+        fused.__dict__.update(_stock=head, _put=put)
         put(fused)
         try:
             loss, grad, _, _ = _run(model, fused, contract, sample, context, fused)
@@ -720,9 +729,44 @@ def _install(model: nn.Module, head: nn.Module, path: str, contract: LossContrac
         ratio = sqnr(ref_grad, grad)
         if rel <= rel_bound and ratio >= sqnr_bound:
             return LossHeadResult(path, True, shift=shift, loss_rel_error=rel, grad_sqnr_db=ratio,
-                                  grad_of="weight" if head.weight.requires_grad else "input"), fused
+                                  grad_of="weight" if head.weight.requires_grad else "input",
+                                  checked_in=head.weight.dtype), fused
         put(head)
         tried.append(f"{'shifted' if shift else 'as given'}: loss off by {rel:.2g} (allowed {rel_bound:g}), "
                      f"head grad SQNR {ratio:.1f} dB (needs {sqnr_bound:g})")
     return LossHeadResult(path, False, "the fused loss does not reproduce the run's loss ("
                           + "; ".join(tried) + "); the loss may do more than cross-entropy on the logits"), None
+
+
+def recheck_loss_head(model: nn.Module, fused: FusedLossHead, result: LossHeadResult, contract: LossContract,
+                      example: Batch, context=contextlib.nullcontext) -> LossHeadResult:
+    """The set-up's loss check again, on the model as it will run: a master-weight mode casts it to
+    bf16/fp16 after fusion checked it in FP32, and a forward that branches on its dtype (a ``.float()``
+    on the logits) shows only then. On a mismatch the stock head is put back and the result says why;
+    else the figures are the run dtype's."""
+    from .rewrite import sqnr
+
+    stock, put = fused.__dict__["_stock"], fused.__dict__["_put"]
+    dtype = fused.weight.dtype
+    rel_bound, sqnr_bound = LOSS_TOLERANCES.get(dtype, LOSS_TOLERANCES[torch.float32])
+    sample = _first_rows(example, 2)
+    put(stock)
+    try:
+        ref_loss, ref_grad, why, _ = _run(model, stock, contract, sample, context, None)
+    finally:
+        put(fused)
+    if not why:
+        try:
+            loss, grad, _, _ = _run(model, fused, contract, sample, context, fused)
+        except Exception as exc:  # noqa: BLE001 - the user's forward may not run this way; report it
+            why = f"the fused head could not run ({type(exc).__name__}: {exc})"
+        else:
+            rel = abs(float(loss) - float(ref_loss)) / max(abs(float(ref_loss)), 1e-12)
+            ratio = sqnr(ref_grad, grad)
+            if rel <= rel_bound and ratio >= sqnr_bound:
+                return dataclasses.replace(result, loss_rel_error=rel, grad_sqnr_db=ratio, checked_in=dtype)
+            why = (f"loss off by {rel:.2g} (allowed {rel_bound:g}), head grad SQNR {ratio:.1f} dB "
+                   f"(needs {sqnr_bound:g})")
+    put(stock)
+    return LossHeadResult(result.path, False, f"checked again with the model in {str(dtype).removeprefix('torch.')}: "
+                          + why)

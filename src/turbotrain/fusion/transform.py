@@ -86,6 +86,21 @@ class FusionTransform(Transform):
                     plan.loss_head = plan.head = fused
         plan.record_norms(model)  # fused LayerNorm+act modules hold norm parameters too
 
+    def verify(self, model: nn.Module, plan: ModelPlan, ctx: ApplyContext) -> None:
+        """A master-weight mode cast the model after apply() checked the fused head in FP32: check it
+        again as it will run, and roll it back with the reason if it no longer matches."""
+        fused = plan.loss_head
+        if fused is None or self.loss_head is None or fused.weight.dtype == self.loss_head.checked_in:
+            return
+        from .loss_head import recheck_loss_head
+
+        self.loss_head = recheck_loss_head(model, fused, self.loss_head, ctx.loss_contract, ctx.example,
+                                           ctx.forward_context or contextlib.nullcontext)
+        if not self.loss_head.fused:
+            plan.loss_head = None
+            if plan.head is fused:
+                plan.head = fused.__dict__["_stock"]
+
     @staticmethod
     def _functional_head(model: nn.Module, ctx: ApplyContext, context):
         """The fused head for logits the model computes with ``F.linear`` on a Parameter no Linear holds."""
@@ -104,7 +119,8 @@ class FusionTransform(Transform):
         if self.loss_head is not None:
             lh = self.loss_head
             grad = "head grad" if lh.grad_of == "weight" else "head input grad"
+            dtype = f" in {str(lh.checked_in).removeprefix('torch.')}" if lh.checked_in is not None else ""
             detail = (f"{'causal shift, ' if lh.shift else ''}loss rel err {lh.loss_rel_error:.1e}, "
-                      f"{grad} sqnr {lh.grad_sqnr_db:.1f} dB" if lh.fused else lh.reason)
+                      f"{grad} sqnr {lh.grad_sqnr_db:.1f} dB{dtype}" if lh.fused else lh.reason)
             extra = ((lh.path, "linear_cross_entropy", "fused" if lh.fused else "rolled back", detail),)
         return self.report.format(extra) + note
