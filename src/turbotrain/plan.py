@@ -285,4 +285,3 @@ def find_head(model: nn.Module, run=None) -> Optional[str]:
         if isinstance(head, nn.Linear):
             return next(n for n, m in model.named_modules() if m is head)
     return None
-

@@ -134,12 +134,13 @@ class Precision(Transform):
 
     def apply(self, model: nn.Module, plan: ModelPlan, ctx: ApplyContext) -> None:
         self._model = model
-        low = [(n, p) for n, p in model.named_parameters() if p.is_floating_point() and p.dtype != torch.float32]
         if self.sharded:
             return
         if not self.master:
+            low = [(n, p) for n, p in model.named_parameters() if p.is_floating_point() and p.dtype != torch.float32]
             if low:
-                _warn_low_precision_model(self.mode, low)
+                mode = repr(self.mode) if self.requested == self.mode else f"{self.requested!r} (chose {self.mode!r})"
+                _warn_low_precision_model(mode, low)
             return
         keep = set(plan.norm_params)
         if self.keep_fp32_head:
@@ -357,10 +358,10 @@ def _warn_low_precision_model(mode: str, low: list) -> None:
     lower precision: the Engine leaves the model's dtype as it is, and says what that means once."""
     dtypes = sorted({str(p.dtype).removeprefix("torch.") for _, p in low})
     warnings.warn(
-        f"precision={mode!r}, but {len(low)} of the model's parameters are {'/'.join(dtypes)} (e.g. {low[0][0]!r}): "
+        f"precision={mode}, but {len(low)} of the model's parameters are {'/'.join(dtypes)} (e.g. {low[0][0]!r}): "
         "the Engine leaves the model's dtype alone, so they train in that dtype, optimizer step included, with no "
         "FP32 copy (a norm weight near 1 loses any update below 2^-8 of it in bf16). For FP32 master weights use "
-        "precision='bf16-master' (or 'auto'); for FP32 training call model.float() before building the Engine.",
+        "a master mode (precision='bf16-master'); for FP32 training call model.float() before building the Engine.",
         stacklevel=5,
     )
 
