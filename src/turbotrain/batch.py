@@ -176,13 +176,22 @@ class LossContract:
 _PAD_VALUES = {"labels": IGNORE_INDEX, "attention_mask": 0, "token_type_ids": 0, "position_ids": 0}
 
 
+def _forward_parameters(model: nn.Module):
+    """``model.forward``'s parameters, or None where Python cannot tell them."""
+    try:
+        return inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return None
+
+
+def _takes(params, name: str) -> bool:
+    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
 def accepts_keyword(model: nn.Module, name: str) -> bool:
     """True when ``model.forward`` takes a keyword argument ``name`` (or **kwargs)."""
-    try:
-        params = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return False
-    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+    params = _forward_parameters(model)
+    return params is not None and _takes(params, name)
 
 
 def check_batch_keys(model: nn.Module, batch: Batch) -> None:
@@ -190,13 +199,8 @@ def check_batch_keys(model: nn.Module, batch: Batch) -> None:
     ``**kwargs`` to take it) is named here, with the fix, instead of the model's own TypeError."""
     if batch.kind != "mapping":
         return
-    try:
-        params = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return
-    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        return
-    unknown = [k for k in batch.kwargs if k not in params]
+    params = _forward_parameters(model)
+    unknown = [k for k in batch.kwargs if not _takes(params, k)] if params is not None else []
     if unknown:
         raise ConfigError(f"the batch's key{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} "
                           f"{'are' if len(unknown) > 1 else 'is'} not an argument of "

@@ -200,6 +200,7 @@ class Engine:
         self.steps = 0
         self.skipped_steps = 0
         self._advised = False
+        self._checked_keys: frozenset = frozenset()  # the last dict batch's keys check_batch_keys passed
         if not self._needs_example():
             self._setup(None)
 
@@ -326,7 +327,9 @@ class Engine:
 
     def _prepare_batch(self, batch) -> Batch:
         b = as_batch(batch, self.device, self.loss_fn is not None)
-        check_batch_keys(self.module, b)
+        if b.kind == "mapping" and frozenset(b.kwargs) != self._checked_keys:  # each new key set once
+            check_batch_keys(self.module, b)
+            self._checked_keys = frozenset(b.kwargs)
         if not self.ready:
             self._setup(b)
         if self.config.seq_buckets:  # pad to a few lengths so torch.compile sees few shapes

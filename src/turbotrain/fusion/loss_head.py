@@ -697,18 +697,30 @@ def install_functional_loss_head(model: nn.Module, head: FunctionalHead, contrac
     return _install(model, head, path, contract, example, run_dtype, context, lambda m: None)
 
 
+def _agreement(ref_loss: Tensor, ref_grad: Tensor, loss: Tensor, grad: Tensor, dtype: torch.dtype
+               ) -> tuple[float, float, str]:
+    """The fused run's relative loss error and head-gradient SQNR against the stock run's, and why they
+    fall outside ``dtype``'s tolerances ("" when they do not)."""
+    from .rewrite import sqnr
+
+    rel_bound, sqnr_bound = LOSS_TOLERANCES.get(dtype, LOSS_TOLERANCES[torch.float32])
+    rel = abs(float(loss) - float(ref_loss)) / max(abs(float(ref_loss)), 1e-12)
+    ratio = sqnr(ref_grad, grad)
+    if rel <= rel_bound and ratio >= sqnr_bound:
+        return rel, ratio, ""
+    return rel, ratio, (f"loss off by {rel:.2g} (allowed {rel_bound:g}), head grad SQNR {ratio:.1f} dB "
+                        f"(needs {sqnr_bound:g})")
+
+
 def _install(model: nn.Module, head: nn.Module, path: str, contract: LossContract, example: Batch,
              run_dtype: torch.dtype, context, put) -> tuple[LossHeadResult, Optional[FusedLossHead]]:
     """Try the fused head built on ``head`` (``put`` puts a module in the head's place), both target
     alignments where the targets could be either, against the stock loss on two rows of ``example``."""
-    from .rewrite import sqnr
-
     targets, _ = loss_targets(example)
     sample = _first_rows(example, 2)
     ref_loss, ref_grad, why, settings = _run(model, head, contract, sample, context, None)
     if why:
         return LossHeadResult(path, False, why), None
-    rel_bound, sqnr_bound = LOSS_TOLERANCES.get(run_dtype, LOSS_TOLERANCES[torch.float32])
     causal_first = is_causal_model(model) and example.kind == "mapping"
     tried = []
     # The model's own cross-entropy names its targets itself: nothing to shift.
@@ -725,15 +737,13 @@ def _install(model: nn.Module, head: nn.Module, path: str, contract: LossContrac
         except Exception as exc:  # noqa: BLE001 - the user's forward may not run this way; report it
             put(head)
             return LossHeadResult(path, False, f"the fused head could not run ({type(exc).__name__}: {exc})"), None
-        rel = abs(float(loss) - float(ref_loss)) / max(abs(float(ref_loss)), 1e-12)
-        ratio = sqnr(ref_grad, grad)
-        if rel <= rel_bound and ratio >= sqnr_bound:
+        rel, ratio, off = _agreement(ref_loss, ref_grad, loss, grad, run_dtype)
+        if not off:
             return LossHeadResult(path, True, shift=shift, loss_rel_error=rel, grad_sqnr_db=ratio,
                                   grad_of="weight" if head.weight.requires_grad else "input",
                                   checked_in=head.weight.dtype), fused
         put(head)
-        tried.append(f"{'shifted' if shift else 'as given'}: loss off by {rel:.2g} (allowed {rel_bound:g}), "
-                     f"head grad SQNR {ratio:.1f} dB (needs {sqnr_bound:g})")
+        tried.append(f"{'shifted' if shift else 'as given'}: {off}")
     return LossHeadResult(path, False, "the fused loss does not reproduce the run's loss ("
                           + "; ".join(tried) + "); the loss may do more than cross-entropy on the logits"), None
 
@@ -744,11 +754,8 @@ def recheck_loss_head(model: nn.Module, fused: FusedLossHead, result: LossHeadRe
     bf16/fp16 after fusion checked it in FP32, and a forward that branches on its dtype (a ``.float()``
     on the logits) shows only then. On a mismatch the stock head is put back and the result says why;
     else the figures are the run dtype's."""
-    from .rewrite import sqnr
-
     stock, put = fused.__dict__["_stock"], fused.__dict__["_put"]
     dtype = fused.weight.dtype
-    rel_bound, sqnr_bound = LOSS_TOLERANCES.get(dtype, LOSS_TOLERANCES[torch.float32])
     sample = _first_rows(example, 2)
     put(stock)
     try:
@@ -761,12 +768,9 @@ def recheck_loss_head(model: nn.Module, fused: FusedLossHead, result: LossHeadRe
         except Exception as exc:  # noqa: BLE001 - the user's forward may not run this way; report it
             why = f"the fused head could not run ({type(exc).__name__}: {exc})"
         else:
-            rel = abs(float(loss) - float(ref_loss)) / max(abs(float(ref_loss)), 1e-12)
-            ratio = sqnr(ref_grad, grad)
-            if rel <= rel_bound and ratio >= sqnr_bound:
+            rel, ratio, why = _agreement(ref_loss, ref_grad, loss, grad, dtype)
+            if not why:
                 return dataclasses.replace(result, loss_rel_error=rel, grad_sqnr_db=ratio, checked_in=dtype)
-            why = (f"loss off by {rel:.2g} (allowed {rel_bound:g}), head grad SQNR {ratio:.1f} dB "
-                   f"(needs {sqnr_bound:g})")
     put(stock)
     return LossHeadResult(result.path, False, f"checked again with the model in {str(dtype).removeprefix('torch.')}: "
                           + why)
