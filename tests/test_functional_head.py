@@ -31,6 +31,8 @@ class FunctionalGPT(nn.Module):
             logits = x @ self.emb.weight.T
         elif self.what == "einsum":  # einops-minded code
             logits = torch.einsum("b n d, c d -> b n c", x, self.emb.weight)
+        elif self.what == "ellipsis":
+            logits = torch.einsum("...d,cd->...c", x, self.emb.weight)
         else:
             logits = F.linear(x, self.emb.weight, self.out_bias)
         if self.what != "own":
@@ -69,7 +71,7 @@ def train(what, fuse, precision="fp32", compile=False):
     return engine, [float(s.loss) for s in stats]
 
 
-@pytest.mark.parametrize("what", ["loss_fn", "own", "bias", "matmul", "T", "einsum"])
+@pytest.mark.parametrize("what", ["loss_fn", "own", "bias", "matmul", "T", "einsum", "ellipsis"])
 def test_a_functional_tied_head_is_fused_and_trains_as_the_stock_run(what):
     engine, fused = train(what, ("linear_cross_entropy",))
     head = engine._transform("fusion").loss_head
@@ -84,7 +86,9 @@ def test_a_functional_tied_head_is_fused_and_trains_as_the_stock_run(what):
 
 @pytest.mark.parametrize("equation, linear", [
     ("btd,vd->btv", True), ("b t d, v d -> b t v", True), ("bd,vd->bv", True),
-    ("btd,dv->btv", False), ("btd,vd->bvt", False), ("btd,ve->btv", False), ("...d,vd->...v", False)])
+    ("btd,dv->btv", False), ("btd,vd->bvt", False), ("btd,ve->btv", False), ("...d,vd->...v", True),
+    ("...d,vd->v...", False), ("...d,vd->bv", False), ("b...d,vd->b...v", False), ("...d,dv->...v", False),
+    ("...,vd->...v", False)])
 def test_einsum_reads_as_a_linear_only_for_x_times_w_transposed(equation, linear):
     from turbotrain.fusion.loss_head import einsum_as_linear
 

@@ -221,14 +221,17 @@ def transposed_parameter(t) -> Optional[Tensor]:
 
 def einsum_as_linear(args) -> Optional[tuple]:
     """``(x, W)`` when ``torch.einsum(*args)`` is ``x @ W.t()`` over the last dimension of ``x``
-    (``"btd,vd->btv"``, spaces allowed, as einops-minded code writes a tied head); else None."""
+    (``"btd,vd->btv"`` or ``"...d,vd->...v"``, spaces allowed, as einops-minded code writes a tied
+    head); else None."""
     if len(args) == 2 and isinstance(args[1], (list, tuple)):
         args = (args[0], *args[1])
     if len(args) != 3 or not isinstance(args[0], str) or not all(isinstance(t, Tensor) for t in args[1:]):
         return None
     inputs, arrow, out = args[0].replace(" ", "").partition("->")
     a, comma, b = inputs.partition(",")
-    if (not arrow or not comma or "." in inputs or not a.isalpha() or len(set(a)) != len(a) or len(b) != 2
+    if a.startswith("...") and out.startswith("..."):  # the leading dimensions, however many, pass through
+        a, out = a[3:], out[3:]
+    if (not arrow or not comma or not a or not (a + b + out).isalpha() or len(set(a)) != len(a) or len(b) != 2
             or b[1] != a[-1] or b[0] in a or out != a[:-1] + b[0]):
         return None
     return args[1], args[2]
