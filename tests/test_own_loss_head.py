@@ -131,20 +131,67 @@ class RouterLM(nn.Module):
         return type("Out", (), {"loss": loss, "logits": logits})()
 
 
-@pytest.mark.parametrize("aux", [0.001, 0.0])
-def test_a_loss_term_that_does_not_come_from_the_logits_keeps_the_head_unfused(aux):
-    """In bf16 the term is well inside the loss check's tolerance (2e-2) and leaves the head's gradient
-    alone, so only the loss's autograd graph shows it; fusing would drop it without a word."""
+def router_run(aux, fuse, precision, steps=3):
     torch.manual_seed(0)
     ids = torch.randint(0, VOCAB, (4, 12), generator=torch.Generator().manual_seed(2))
-    engine = Engine(RouterLM(aux), lambda p: torch.optim.AdamW(p, lr=1e-2),
-                    config=Config(device="cpu", precision="bf16-master", fuse=("linear_cross_entropy",)))
-    engine.step({"input_ids": ids, "labels": ids})
+    model = RouterLM(aux)
+    engine = Engine(model, lambda p: torch.optim.AdamW(p, lr=1e-2),
+                    config=Config(device="cpu", precision=precision, fuse=fuse))
+    losses = [float(engine.step({"input_ids": ids, "labels": ids}).loss) for _ in range(steps)]
+    return engine, model, losses
+
+
+@pytest.mark.parametrize("aux", [0.001, 0.0])
+def test_a_loss_term_that_does_not_come_from_the_logits_stays_in_the_fused_run(aux):
+    """In bf16 the term is well inside the loss check's tolerance (2e-2) and leaves the head's gradient
+    alone, so only the loss's autograd graph shows it: the head does not compute that loss alone (the
+    term would be dropped without a word) but answers the model's own cross-entropy call in it."""
+    torch.manual_seed(0)
+    start = RouterLM(aux).router.weight.detach().to(torch.bfloat16)
+    engine, model, _ = router_run(aux, ("linear_cross_entropy",), "bf16-master")
     head = engine._transform("fusion").loss_head
-    if aux:
-        assert not head.fused and "does not come from the logits" in head.reason, head.reason
-    else:
-        assert head.fused, head.reason
+    assert head.fused, head.reason
+    assert head.through_loss == bool(aux)
+    # the router's only gradient is the term's: it trains exactly when the term is there
+    assert (not torch.equal(model.router.weight, start)) == bool(aux)
+    engine, _, fused = router_run(aux, ("linear_cross_entropy",), "fp32")
+    _, _, stock = router_run(aux, False, "fp32")
+    assert fused == pytest.approx(stock, rel=1e-5)
+
+
+def lm_loss_as(how):
+    def loss_fn(logits, targets):
+        flat, flat_targets = logits.reshape(-1, VOCAB), targets.reshape(-1)
+        if how == "per-token":  # summed, then divided by the tokens scored: the mean over a gradient-accumulation window
+            return F.cross_entropy(flat, flat_targets, ignore_index=-1, reduction="sum") / (flat_targets != -1).sum()
+        if how == "scaled":
+            return F.cross_entropy(flat, flat_targets, ignore_index=-1) * 0.99
+        return F.cross_entropy(flat, flat_targets, ignore_index=-1)
+    return loss_fn
+
+
+class LogitsGPT(TinyGPT):
+    def forward(self, idx):
+        return self.lm_head(torch.tanh(self.mix(self.emb(idx))))
+
+
+@pytest.mark.parametrize("how", ["per-token", "scaled", "plain"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16-master"])
+def test_a_loss_fn_that_scales_its_cross_entropy_keeps_the_scale_in_the_fused_run(how, precision):
+    """``sum / tokens`` and ``ce * 0.99``: the head once computed the cross-entropy alone, which rolled
+    the first back and, in bf16, dropped the 1% scale of the second inside the check's tolerance."""
+    def run(fuse):
+        torch.manual_seed(0)
+        engine = Engine(LogitsGPT(), lambda p: torch.optim.AdamW(p, lr=1e-2), lm_loss_as(how),
+                        config=Config(device="cpu", precision=precision, fuse=fuse))
+        return engine, [float(engine.step(b).loss) for b in batches()]
+
+    engine, fused = run(("linear_cross_entropy",))
+    head = engine._transform("fusion").loss_head
+    assert head.fused, head.reason
+    assert head.through_loss == (how != "plain")
+    _, stock = run(False)
+    assert fused == pytest.approx(stock, rel=1e-5 if precision == "fp32" else 2e-3)
 
 
 class DtypeBranchLM(nn.Module):

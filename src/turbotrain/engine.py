@@ -314,10 +314,10 @@ class Engine:
         head = self.plan.loss_head
         batch = Batch(args, kwargs, targets, kind=kind)
         if head is not None:
-            from .fusion.loss_head import head_calls, loss_targets, own_loss, own_loss_batch
+            from .fusion.loss_head import head_calls, loss_targets, own_loss, through_own_call
 
             with head_calls(head):  # a head the model computes with F.linear is reached through a mode
-                if own_loss_batch(batch):  # the run's code names the targets: its cross-entropy call is the fused one
+                if through_own_call(batch, head):  # the run's own cross-entropy call is the fused one
                     return own_loss(self.model, head, batch, self.contract)
                 labels, call = loss_targets(batch, self.module)
                 head.arm(labels)

@@ -53,7 +53,7 @@ from .ops.linear_cross_entropy import linear_cross_entropy
 
 __all__ = ["FusedLossHead", "FunctionalHead", "LossHeadResult", "OwnLossMode", "head_calls", "install_loss_head",
            "functional_head_of", "install_functional_loss_head", "loss_head_refusal", "own_loss_batch",
-           "recheck_loss_head", "LOSS_TOLERANCES"]
+           "through_own_call", "recheck_loss_head", "LOSS_TOLERANCES"]
 
 #: How close the fused loss must be to the stock one, per run dtype: (relative loss error, minimum
 #: SQNR of the head weight's gradient in dB). The fused kernel's GEMM rounds the logits to the run
@@ -82,12 +82,16 @@ class FusedLossHead(nn.Module):
 
     Unarmed (evaluation, generation, any call the Engine did not arm) it is exactly the Linear.
     Armed for the model's own loss (:meth:`arm_own`), it keeps its input for the cross-entropy call
-    :class:`OwnLossMode` catches and returns the placeholder.
+    :class:`OwnLossMode` catches and returns the placeholder. ``through_loss``: the run's loss does
+    more than that one cross-entropy (divides it by a token count, adds an auxiliary term), so every
+    step runs that loss with its cross-entropy call answered fused, as for the model's own loss,
+    instead of the head computing the whole loss.
     """
 
     def __init__(self, linear: nn.Module, shift: bool, chunk_rows: Optional[int] = None,
-                 ignore_index: int = IGNORE_INDEX, reduction: str = "mean"):
+                 ignore_index: int = IGNORE_INDEX, reduction: str = "mean", through_loss: bool = False):
         super().__init__()
+        self.through_loss = through_loss
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
@@ -375,6 +379,12 @@ class OwnLossMode(TorchFunctionMode):
         return self.head.own_loss(target, int(bound.get("ignore_index", IGNORE_INDEX)), reduction)
 
 
+def through_own_call(batch: Batch, head: FusedLossHead) -> bool:
+    """The run's own cross-entropy call is the one the fused head answers (:func:`own_loss`): the run's
+    code names its targets (:func:`own_loss_batch`), or its loss does more than that cross-entropy."""
+    return own_loss_batch(batch) or head.through_loss
+
+
 def own_loss_batch(batch: Batch) -> bool:
     """The run's own code names the targets of its cross-entropy, so the fused head cannot be armed with
     them: ``(inputs, targets)`` with no loss_fn (nanoGPT's ``forward(idx, targets)``), a dict without
@@ -412,6 +422,8 @@ class LossHeadResult:
     grad_sqnr_db: float = math.nan
     grad_of: str = "weight"
     """Whose gradient the check compared: the head's weight, or its input where the weight is frozen."""
+    through_loss: bool = False
+    """The run's loss does more than the one cross-entropy, so its own call is answered fused."""
     checked_in: Optional[torch.dtype] = None
     """The dtype of the head's weight when the figures above were taken (set-up's check, or the second
     check on the model cast to bf16/fp16 by a master-weight mode)."""
@@ -548,6 +560,18 @@ def logits_feed_only_the_log_softmax(loss: Tensor, logits: Tensor, nll: Optional
     return ""
 
 
+def loss_is_the_cross_entropy(loss: Tensor, nll) -> bool:
+    """``loss`` is the output of the cross-entropy whose nll_loss node is ``nll`` as it is (viewed or
+    cast), not scaled, divided (``reduction='sum'`` over a token count) or added to."""
+    node = loss.grad_fn
+    while node is not nll:
+        children = [c for c, _ in node.next_functions if c is not None]
+        if len(children) != 1 or (type(node).__name__ not in _CARRIERS and not _is_identity_scale(node)):
+            return False
+        node = children[0]
+    return True
+
+
 def loss_has_no_other_term(loss: Tensor, logits: Tensor) -> str:
     """Why the fused head's loss would drop part of ``loss``, or "" if every gradient path from the loss
     to a parameter runs through ``logits``.
@@ -598,7 +622,7 @@ def _run(model, head, contract: LossContract, batch: Batch, context, fused: Opti
                 torch.manual_seed(0)  # same dropout masks in the stock and the fused run
                 if fused is None:
                     loss = check_loss(contract(model, batch), contract.source)  # a bad loss is the user's to fix
-                elif own_loss_batch(batch):
+                elif through_own_call(batch, fused):
                     loss = own_loss(model, fused, batch, contract)
                 else:
                     targets, call = loss_targets(batch, model)
@@ -610,7 +634,10 @@ def _run(model, head, contract: LossContract, batch: Batch, context, fused: Opti
                 why = logits_feed_only_the_log_softmax(loss, seen[0], nll)
                 if not why and not own_loss_batch(batch):  # the model's own loss keeps its own terms and settings
                     settings, why = _nll_settings(nll)
-                    why = why or loss_has_no_other_term(loss, seen[0])
+                    if not why and (not loss_is_the_cross_entropy(loss, nll[0])
+                                    or loss_has_no_other_term(loss, seen[0])):
+                        # the loss scales the cross-entropy or adds to it: keep all of it, answer its call
+                        settings = {"through_loss": True}
             elif fused is None:
                 why = f"the head ran {len(seen)} times in one forward"
             wrt = head.weight if head.weight.requires_grad else inputs[0] if len(inputs) == 1 else None
@@ -728,7 +755,8 @@ def _install(model: nn.Module, head: nn.Module, path: str, contract: LossContrac
     causal_first = is_causal_model(model) and example.kind == "mapping"
     tried = []
     # The model's own cross-entropy names its targets itself: nothing to shift.
-    shifts = (False,) if own_loss_batch(example) else (True, False) if causal_first else (False, True)
+    through = own_loss_batch(example) or settings.get("through_loss", False)
+    shifts = (False,) if through else (True, False) if causal_first else (False, True)
     for shift in shifts:
         if shift and targets.dim() < 2:
             continue
@@ -745,7 +773,7 @@ def _install(model: nn.Module, head: nn.Module, path: str, contract: LossContrac
         if not off:
             return LossHeadResult(path, True, shift=shift, loss_rel_error=rel, grad_sqnr_db=ratio,
                                   grad_of="weight" if head.weight.requires_grad else "input",
-                                  checked_in=head.weight.dtype), fused
+                                  checked_in=head.weight.dtype, through_loss=fused.through_loss), fused
         put(head)
         tried.append(f"{'shifted' if shift else 'as given'}: {off}")
     return LossHeadResult(path, False, "the fused loss does not reproduce the run's loss ("

@@ -120,7 +120,8 @@ class FusionTransform(Transform):
             lh = self.loss_head
             grad = "head grad" if lh.grad_of == "weight" else "head input grad"
             dtype = f" in {str(lh.checked_in).removeprefix('torch.')}" if lh.checked_in is not None else ""
-            detail = (f"{'causal shift, ' if lh.shift else ''}loss rel err {lh.loss_rel_error:.1e}, "
+            how = "causal shift, " if lh.shift else "the loss's own cross-entropy call, " if lh.through_loss else ""
+            detail = (f"{how}loss rel err {lh.loss_rel_error:.1e}, "
                       f"{grad} sqnr {lh.grad_sqnr_db:.1f} dB{dtype}" if lh.fused else lh.reason)
             extra = ((lh.path, "linear_cross_entropy", "fused" if lh.fused else "rolled back", detail),)
         return self.report.format(extra) + note
