@@ -3,6 +3,7 @@ import copy
 import pytest
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 import turbotrain
 from turbotrain import CheckpointError, Config, ConfigError, Engine, HardwareError
@@ -203,6 +204,43 @@ def test_keep_fp32_mode_casts_a_models_own_fp32_activations_as_autocast_would():
     with KeepFp32Mode():
         f = torch.fft.fft(x.bfloat16())
     assert torch.equal(f, torch.fft.fft(x.bfloat16().float()))
+
+
+class _NotKeptFp32(TorchFunctionMode):
+    """Names the functions called under it that the FP32 keep-list does not list (module level:
+    Dynamo cannot trace a mode class made inside a test function)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        from turbotrain.precision.keep_fp32 import RETURN_FP32, RETURN_INPUT_DTYPE
+
+        self.calls.append((func.__name__, func in RETURN_INPUT_DTYPE or func in RETURN_FP32))
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def missed(self) -> set:
+        return {name for name, kept in self.calls if not kept}
+
+
+def test_keep_fp32_mode_sees_every_norm_and_loss_under_torch_compile_as_it_does_eagerly():
+    """Dynamo inlines F.rms_norm and hands the mode torch.rms_norm: nn.RMSNorm ran on the bf16 input
+    with its FP32 weight under compile (torch warned "Mismatch dtype ... Cannot dispatch to fused
+    implementation" at every compile)."""
+    ln, rms, gn = nn.LayerNorm(8), nn.RMSNorm(8), nn.GroupNorm(2, 8)
+
+    def fragile(x, y):
+        h = gn(rms(ln(x)).transpose(1, 2)).transpose(1, 2)
+        p = torch.softmax(h, -1) + nn.functional.log_softmax(h, -1) + nn.functional.normalize(h, dim=-1)
+        return (nn.functional.cross_entropy(p.reshape(-1, 8), y.reshape(-1)) + torch.logsumexp(h, -1).mean()
+                + nn.functional.nll_loss(p.reshape(-1, 8), y.reshape(-1)))
+
+    x, y = torch.randn(2, 4, 8), torch.randint(0, 8, (2, 4))
+    with _NotKeptFp32() as mode:
+        torch.compile(fragile, backend="eager", fullgraph=True)(x, y)
+    assert mode.missed <= {"transpose", "reshape", "add", "mean", "device"}, mode.missed
 
 
 def test_bf16_master_trains_a_model_that_makes_fp32_activations():

@@ -32,11 +32,13 @@ logger = logging.getLogger(__name__)
 
 _LOW = (torch.float16, torch.bfloat16)
 
-#: Normalisations and softmax: computed in FP32, result cast back to the input dtype.
+#: Normalisations and softmax: computed in FP32, result cast back to the input dtype. Under
+#: torch.compile the mode sees ``torch.rms_norm`` where eager code sees ``F.rms_norm`` (Dynamo inlines
+#: the Python wrapper), so both are listed.
 RETURN_INPUT_DTYPE = {
     F.softmax, F.log_softmax, torch.softmax, torch.log_softmax, torch.Tensor.softmax,
     torch.Tensor.log_softmax, F.layer_norm, F.group_norm, F.batch_norm, F.instance_norm,
-    F.rms_norm, F.normalize,
+    F.rms_norm, torch.rms_norm, F.normalize,
 }
 #: Losses and reductions: computed and returned in FP32.
 RETURN_FP32 = {
