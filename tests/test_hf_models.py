@@ -121,6 +121,20 @@ def test_gemma2s_soft_capped_logits_keep_their_own_loss():
     assert {s.pattern for s in engine.fusion_report.fused} >= {"qkv"}
 
 
+@pytest.mark.parametrize("family", ("llama", "gpt2"))
+def test_the_accumulation_correct_loss_keeps_its_token_count_with_the_fused_head(family):
+    """With ``num_items_in_batch`` (what Hugging Face's Trainer passes under gradient accumulation) the
+    model's loss is a summed cross-entropy divided by that count: the head used to compute the loss
+    alone, which the set-up check rolled back (a sum where the run divides); it now answers the
+    model's own cross-entropy call and the division stays."""
+    data = [dict(b, num_items_in_batch=(b["labels"][:, 1:] != -100).sum()) for b in batches(family, 3)]
+    _, ref = train(family, Config(device="cpu"), 3, data=data)
+    engine, losses = train(family, Config(device="cpu", fuse=("linear_cross_entropy",)), 3, data=data)
+    head = engine._transform("fusion").loss_head
+    assert head.fused and head.through_loss, head.reason
+    assert losses == pytest.approx(ref, rel=1e-5)
+
+
 def test_checkpoint_blocks_on_t5_switches_off_the_decoder_stacks_own_cache():
     """T5ForConditionalGeneration passes use_cache=None down, and its decoder stack reads a copy of the
     config of its own: with only model.config.use_cache switched off the decoder still wrote a KV cache,
