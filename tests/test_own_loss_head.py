@@ -170,6 +170,28 @@ def lm_loss_as(how):
     return loss_fn
 
 
+@pytest.mark.parametrize("pick", ["last", "mask"])
+def test_a_loss_on_a_selection_of_positions_keeps_the_head_unfused_and_says_so(pick):
+    """Sequence classification on a causal LM's last position, or a boolean-mask selection: the head
+    computes every position, the loss scores some, so the fused loss would be another loss."""
+    def loss_fn(logits, targets):
+        if pick == "last":
+            return F.cross_entropy(logits[:, -1], targets[:, -1].clamp(min=0))
+        keep = targets != -1
+        return F.cross_entropy(logits[keep], targets[keep])
+
+    def run(fuse):
+        torch.manual_seed(0)
+        engine = Engine(LogitsGPT(), lambda p: torch.optim.AdamW(p, lr=1e-2), loss_fn,
+                        config=Config(device="cpu", precision="fp32", fuse=fuse))
+        return engine, [float(engine.step(b).loss) for b in batches()]
+
+    engine, losses = run(("linear_cross_entropy",))
+    head = engine._transform("fusion").loss_head
+    assert not head.fused and "selection of the logits' positions" in head.reason, head.reason
+    assert losses == pytest.approx(run(False)[1], rel=1e-6)
+
+
 class LogitsGPT(TinyGPT):
     def forward(self, idx):
         return self.lm_head(torch.tanh(self.mix(self.emb(idx))))

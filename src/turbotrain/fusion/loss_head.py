@@ -475,6 +475,9 @@ _NLL = frozenset({"NllLossBackward0", "NllLoss2dBackward0"})
 #: Per-token picks of the target's log-probability, whose weighting or masking before the mean the
 #: fused head cannot follow (a first batch without padding would not show the difference).
 _PER_TOKEN_PICKS = frozenset({"GatherBackward0", "IndexBackward0"})
+#: Below the log-softmax: a selection of positions (``logits[:, -1]``, ``logits[mask]``), which the
+#: fused head, scoring every row it computes, cannot follow (a slice, the causal shift, it can).
+_POSITION_PICKS = frozenset({"SelectBackward0", "IndexBackward0"})
 #: nll_loss's reduction as its autograd node saves it (torch's Reduction enum).
 _REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
 
@@ -535,6 +538,9 @@ def logits_feed_only_the_log_softmax(loss: Tensor, logits: Tensor, nll: Optional
                 return "the logits reach the loss other than through cross-entropy's log-softmax"
             continue
         name = type(node).__name__
+        if below and name in _POSITION_PICKS:
+            return ("the loss scores a selection of the logits' positions (logits[:, -1], an index or a mask), "
+                    "while the fused head scores every position it computes")
         if below and name not in _CARRIERS and not _is_identity_scale(node):
             return f"the logits pass through {name.removesuffix('Backward0')} before the loss's log-softmax"
         if not below and name in _LOG_SOFTMAX and not picked:
