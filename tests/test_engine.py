@@ -419,6 +419,16 @@ def test_alignment_advisor_holds_only_the_vocabulary_to_64():
     assert advice == ["wte.num_embeddings (vocab)=1000 is not a multiple of 64; pad it to 1024"]
 
 
+def test_alignment_advisor_leaves_a_small_classifier_alone():
+    """Ten classes are the task's, and the classifier's GEMM is a sliver of the model's: no advice for
+    it; a misaligned Linear that does real work is still named."""
+    from turbotrain.precision import alignment_advice
+
+    model = nn.Sequential(nn.Linear(64, 1500), nn.GELU(), nn.Linear(1500, 64), nn.Linear(64, 10))
+    assert alignment_advice(model) == ["0.out_features=1500 is not a multiple of 8; pad it to 1504",
+                                       "2.in_features=1500 is not a multiple of 8; pad it to 1504"]
+
+
 def test_seq_buckets_pad_without_changing_the_loss():
     from turbotrain.workloads import get_workload
 

@@ -15,6 +15,10 @@ __all__ = ["alignment_advice", "warn_misaligned"]
 
 _MULTIPLE = 8
 _VOCAB_MULTIPLE = 64
+#: A Linear holding less than this share of the model's Linear weights (a 10-class classifier, a
+#: 7-way tag head, a router) does a negligible share of the GEMM work, and its sizes are often the
+#: task's own (the number of labels): no advice for it.
+_SMALL_SHARE = 0.01
 
 
 def _round_up(n: int, k: int) -> int:
@@ -32,12 +36,13 @@ def alignment_advice(model: nn.Module, batch_size: int | None = None) -> list[st
 
     embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
     vocab = max(embeddings, key=lambda m: m.num_embeddings) if embeddings else None  # not positions
+    linear_weights = sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, nn.Linear))
     for name, m in model.named_modules():
         if isinstance(m, nn.Embedding):
             if m is vocab:
                 check(f"{name}.num_embeddings (vocab)", m.num_embeddings, _VOCAB_MULTIPLE)
             check(f"{name}.embedding_dim", m.embedding_dim)
-        elif isinstance(m, nn.Linear):
+        elif isinstance(m, nn.Linear) and m.in_features * m.out_features >= _SMALL_SHARE * linear_weights:
             check(f"{name}.in_features", m.in_features)
             check(f"{name}.out_features", m.out_features)
         n_head = getattr(m, "n_head", None) or getattr(m, "num_heads", None)
