@@ -146,3 +146,35 @@ def test_profile_and_tune_see_the_functional_head(loss_fn, why):
     facts = analyse(FunctionalGPT, loss_fn, batch)
     assert facts.sites["linear_cross_entropy"] == 1
     assert facts.logits_bytes == 4 * 12 * VOCAB * 4  # rows x positions x vocabulary, FP32
+
+
+@pytest.mark.parametrize("fuse", [False, ("linear_cross_entropy",)])
+@pytest.mark.parametrize("what", ["loss_fn", "matmul", "einsum"])
+def test_keep_fp32_head_keeps_a_functional_head_fp32(what, fuse):
+    """keep_fp32_head on a tied head written as F.linear, a matmul or an einsum: the tied weight stays
+    FP32 (as it does for an nn.Linear head tied to the embedding) and the head's input is cast to FP32,
+    so the logits are computed in FP32 (it warned that no head was found)."""
+    import warnings
+
+    torch.manual_seed(0)
+    model = FunctionalGPT(what)
+    engine = Engine(model, lambda p: torch.optim.AdamW(p, lr=1e-2), lm_loss,
+                    config=Config(device="cpu", precision="bf16-master", fuse=fuse, keep_fp32_head=True))
+    data = batches()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine.step(data[0])
+    assert not [w for w in caught if "keep_fp32_head" in str(w.message)]  # no "no head is kept in FP32"
+    head = engine.plan.head
+    assert head is not None and engine.plan.head_params() == [model.emb.weight]
+    assert model.emb.weight.dtype == torch.float32 and model.mix.weight.dtype == torch.bfloat16
+    seen = []
+    head.register_forward_pre_hook(lambda mod, args, kwargs: seen.append(args[0].dtype), with_kwargs=True,
+                                   prepend=False)
+    losses = [float(engine.step(b).loss) for b in data[1:]]
+    assert seen == [torch.float32] * len(data[1:])
+    assert isinstance(head, FusedLossHead) == bool(fuse)
+    # close to the FP32 run's, and no further than the bf16-master run without the FP32 head
+    _, fp32 = train(what, False)
+    _, bf16 = train(what, False, precision="bf16-master")
+    assert max(abs(a - b) for a, b in zip(losses, fp32[1:])) <= max(abs(a - b) for a, b in zip(bf16[1:], fp32[1:])) + 1e-3

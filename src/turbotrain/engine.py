@@ -252,9 +252,20 @@ class Engine:
         run = None if example is None else (lambda: model(*example.args, **example.kwargs))
         plan.head_path = find_head(model, run)
         plan.head = model.get_submodule(plan.head_path) if plan.head_path else None
-        if self.config.keep_fp32_head and plan.head is None:
-            warnings.warn("keep_fp32_head=True, but no Linear produces the logits the model returns, so no head "
-                          "is kept in FP32", stacklevel=3)
+        if self.config.keep_fp32_head and plan.head is None and example is not None:
+            from .fusion.loss_head import functional_head_of
+
+            # F.linear(h, self.wte.weight) or h @ W.t(): kept FP32 through the mode that reaches it
+            head = functional_head_of(model, example, self.autocast)
+            if head is not None and self.config.parallel is not None:
+                warnings.warn(f"keep_fp32_head=True: the head is {head.name} used in F.linear or a matmul, which "
+                              "the sharded run does not keep in FP32 (it shards the modules that hold it); an "
+                              "nn.Linear head is kept FP32 there", stacklevel=3)
+            elif head is not None:
+                plan.head = head
+        if self.config.keep_fp32_head and plan.head is None and (example is None or self.config.parallel is None):
+            warnings.warn("keep_fp32_head=True, but no Linear produces the logits the model returns (nor F.linear "
+                          "or a matmul on a transposed Parameter), so no head is kept in FP32", stacklevel=3)
         for t in self.transforms:
             t.apply(model, plan, ctx)
         for t in self.transforms:
@@ -323,6 +334,11 @@ class Engine:
                 head.arm(labels)
                 self.model(*call.args, **call.kwargs)
                 return head.take_loss()
+        if getattr(self.plan.head, "site", None) is not None:  # keep_fp32_head on a head written as F.linear
+            from .fusion.loss_head import head_calls
+
+            with head_calls(self.plan.head):
+                return self.contract.loss(self.model(*args, **kwargs), batch)
         return self.contract.loss(self.model(*args, **kwargs), batch)
 
     def _prepare_batch(self, batch) -> Batch:

@@ -112,7 +112,12 @@ class ModelPlan:
         self.norm_params = {p for p in self.norm_params if p in live}
 
     def head_params(self) -> list[nn.Parameter]:
-        return list(self.head.parameters()) if self.head is not None else []
+        if self.head is None:
+            return []
+        site = getattr(self.head, "site", None)
+        if site is not None:  # a head the model computes with F.linear: its Parameters live on other modules
+            return [p for p in (site.weight, site.bias) if p is not None]
+        return list(self.head.parameters())
 
 
 @dataclass

@@ -79,6 +79,8 @@ class FusionTransform(Transform):
             if plan.head_path is None:
                 self.loss_head, fused = self._functional_head(model, ctx, context)
                 plan.loss_head = fused
+                if fused is not None and plan.head is not None:  # keep_fp32_head's hook goes on the fused head
+                    plan.head = fused
             else:
                 self.loss_head, fused = install_loss_head(model, plan.head_path, ctx.loss_contract, example,
                                                           ctx.dtype, context)
