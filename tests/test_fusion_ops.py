@@ -175,6 +175,9 @@ def test_cross_entropy_chunk_rows_are_chosen_per_device():
     from turbotrain.fusion.ops.linear_cross_entropy import default_chunk_rows
 
     assert default_chunk_rows(16384, 8192, 512) == 512  # CPU: ~4M logits per chunk (measured)
+    assert default_chunk_rows(16384, 2048, 512) == 2048
+    assert default_chunk_rows(16384, 50257, 768) == 512  # the CPU floor: 64-row chunks ran 1.65x slower
+    assert default_chunk_rows(300, 50257, 768) == 300
     assert default_chunk_rows(16384, 50257, 4096, "cuda") == 2048  # CUDA: ~128M logits (reasoned)
     assert default_chunk_rows(16384, 128256, 4096, "cuda") == 1024  # the CUDA floor
     assert default_chunk_rows(100, 50257, 4096, "cuda") == 100  # never more rows than there are

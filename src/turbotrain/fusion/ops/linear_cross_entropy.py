@@ -35,11 +35,16 @@ __all__ = ["linear_cross_entropy", "linear_cross_entropy_reference", "default_ch
 
 
 def default_chunk_rows(rows: int, vocab: int, dim: int, device: str = "cpu") -> int:
-    """Rows per chunk: about 4M logits per chunk on CPU, about 128M (with >= 1024 rows) on CUDA.
+    """Rows per chunk: about 4M logits per chunk and at least 512 rows on CPU, about 128M (with >= 1024
+    rows) on CUDA.
 
     CPU (measured): smaller chunks save little more memory but make the weight-grad GEMMs thin
     (their inner dimension is the chunk) and re-read the FP32 weight-grad accumulator once per
-    chunk; on the CPU here 128-row chunks ran ~2x slower than 512-row ones at vocab 8192.
+    chunk, a cost per chunk that grows with the vocabulary as the GEMM work does; on the CPU here
+    128-row chunks ran ~2x slower than 512-row ones at vocab 8192, and at GPT-2's vocab (50257,
+    d768, 2048 rows) the op took 2.96 s with 64-row chunks (what 4M logits gave), 1.79 s with 512
+    (benchmarks/2026-12-07-user-code-patterns-3.md). Hence the 512-row floor: the memory it
+    saves is then at least rows/512 times a chunk's logits.
 
     CUDA (reasoned, not yet measured; scripts/gpu-check.sh runs the op so it can be): each chunk
     reads and writes the (vocab x dim) FP32 weight-grad accumulator plus the chunk's
@@ -51,7 +56,7 @@ def default_chunk_rows(rows: int, vocab: int, dim: int, device: str = "cpu") -> 
     if device == "cuda":
         target = max(1024, (1 << 27) // max(1, vocab))
     else:
-        target = max(32, (1 << 22) // max(1, vocab))
+        target = max(512, (1 << 22) // max(1, vocab))
     return min(1 << (target.bit_length() - 1), max(32, rows))
 
 
