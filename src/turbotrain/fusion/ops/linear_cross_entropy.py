@@ -42,7 +42,7 @@ def default_chunk_rows(rows: int, vocab: int, dim: int, device: str = "cpu") -> 
     (their inner dimension is the chunk) and re-read the FP32 weight-grad accumulator once per
     chunk, a cost per chunk that grows with the vocabulary as the GEMM work does; on the CPU here
     128-row chunks ran ~2x slower than 512-row ones at vocab 8192, and at GPT-2's vocab (50257,
-    d768, 2048 rows) the op took 2.96 s with 64-row chunks (what 4M logits gave), 1.79 s with 512
+    d768, 2048 rows) the op took 2.76 s with 64-row chunks (what 4M logits gave), 1.67 s with 512
     (benchmarks/2026-12-07-user-code-patterns-3.md). Hence the 512-row floor: the memory it
     saves is then at least rows/512 times a chunk's logits.
 
