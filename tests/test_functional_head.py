@@ -178,3 +178,13 @@ def test_keep_fp32_head_keeps_a_functional_head_fp32(what, fuse):
     _, fp32 = train(what, False)
     _, bf16 = train(what, False, precision="bf16-master")
     assert max(abs(a - b) for a, b in zip(losses, fp32[1:])) <= max(abs(a - b) for a, b in zip(bf16[1:], fp32[1:])) + 1e-3
+
+
+def test_keep_fp32_head_on_a_model_with_no_head_says_so_once():
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8), nn.Tanh())  # no Linear's output returned
+    engine = Engine(model, lambda p: torch.optim.SGD(p, lr=0.1), lambda out, y: (out - y).pow(2).mean(),
+                    config=Config(device="cpu", precision="bf16-master", keep_fp32_head=True))
+    x = torch.randn(4, 8)
+    with pytest.warns(UserWarning, match="no head is kept in FP32"):
+        engine.step((x, torch.tanh(x)))
+    assert engine.plan.head is None

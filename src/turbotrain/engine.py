@@ -252,20 +252,23 @@ class Engine:
         run = None if example is None else (lambda: model(*example.args, **example.kwargs))
         plan.head_path = find_head(model, run)
         plan.head = model.get_submodule(plan.head_path) if plan.head_path else None
-        if self.config.keep_fp32_head and plan.head is None and example is not None:
-            from .fusion.loss_head import functional_head_of
+        if self.config.keep_fp32_head and plan.head is None:
+            head = None
+            if example is not None:
+                from .fusion.loss_head import functional_head_of
 
-            # F.linear(h, self.wte.weight) or h @ W.t(): kept FP32 through the mode that reaches it
-            head = functional_head_of(model, example, self.autocast)
-            if head is not None and self.config.parallel is not None:
+                # F.linear(h, self.wte.weight) or h @ W.t(): kept FP32 through the mode that reaches it
+                head = functional_head_of(model, example, self.autocast)
+            if head is None:
+                warnings.warn("keep_fp32_head=True, but no Linear produces the logits the model returns (nor "
+                              "F.linear or a matmul on a transposed Parameter), so no head is kept in FP32",
+                              stacklevel=3)
+            elif self.config.parallel is not None:
                 warnings.warn(f"keep_fp32_head=True: the head is {head.name} used in F.linear or a matmul, which "
                               "the sharded run does not keep in FP32 (it shards the modules that hold it); an "
                               "nn.Linear head is kept FP32 there", stacklevel=3)
-            elif head is not None:
+            else:
                 plan.head = head
-        if self.config.keep_fp32_head and plan.head is None and (example is None or self.config.parallel is None):
-            warnings.warn("keep_fp32_head=True, but no Linear produces the logits the model returns (nor F.linear "
-                          "or a matmul on a transposed Parameter), so no head is kept in FP32", stacklevel=3)
         for t in self.transforms:
             t.apply(model, plan, ctx)
         for t in self.transforms:
