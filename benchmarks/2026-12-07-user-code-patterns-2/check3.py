@@ -20,7 +20,8 @@ CONFIGS = {
 
 def loss_of(model, b, loss_fn):
     if isinstance(b, dict):
-        return model(**b)["loss"]
+        out = model(**b)
+        return out["loss"] if isinstance(out, dict) else out.loss
     x, y = b
     if loss_fn is None:
         return model(x, y)[1]

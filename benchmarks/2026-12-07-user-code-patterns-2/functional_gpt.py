@@ -46,6 +46,8 @@ class TiedGPT(nn.Module):
 
 
 def lm_loss(logits, y):
+    if os.environ.get("FG_LOSS") == "sum":  # summed, over the tokens scored (accumulation-correct loops)
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1), reduction="sum") / y.numel()
     return F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
 
 

@@ -6,7 +6,7 @@ import os, sys, time, random, statistics, multiprocessing as mp
 
 def worker(arm, conn):
     import torch
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "2026-12-07-user-code-patterns-2"))
     from turbotrain.precision import keep_fp32
     if arm == "old":
         keep_fp32.RETURN_INPUT_DTYPE.discard(torch.rms_norm)

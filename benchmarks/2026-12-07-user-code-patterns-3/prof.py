@@ -1,6 +1,6 @@
 import os, sys, torch, turbotrain
 from torch.profiler import profile, ProfilerActivity
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "2026-12-07-user-code-patterns-2"))
 from functional_gpt import build, batches, lm_loss
 torch.set_num_threads(2)
 cfg = turbotrain.Config(precision="auto", fuse=True, compile=True)
