@@ -298,6 +298,7 @@ def test_a_model_without_its_own_loss_says_what_it_returned():
     ({}, "empty mapping"),
     ({1: torch.zeros(2)}, "keys must be strings"),
     ([1, 2, 3], "a batch must be"),
+    ((torch.randn(2, 8), torch.ones(2, 8), torch.zeros(2, dtype=torch.long)), "of length 3; for more than one input"),
 ])
 def test_bad_batches_are_refused_before_any_work(bad, match):
     model = nn.Linear(8, 3)

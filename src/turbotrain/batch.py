@@ -93,9 +93,14 @@ def as_batch(batch, device: torch.device, has_loss_fn: bool) -> Batch:
         if has_loss_fn:
             return Batch((inputs,), {}, targets, kind="tuple", size=size)
         return Batch((inputs, targets), {}, targets, kind="tuple", size=size)
+    hint = ""
+    if isinstance(batch, (tuple, list)) and len(batch) > 2:
+        hint = ("; for more than one input (ids and a mask, say) pass a dict whose keys are forward's "
+                "arguments (called as model(**batch); a loss_fn gets the dict as its second argument), or "
+                "((x, mask), y), which calls model((x, mask)) and loss_fn(output, y)")
     raise ConfigError(
         f"a batch must be (inputs, targets), a dict of model keyword arguments or a tensor; got "
-        f"{type(batch).__name__}" + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else "")
+        f"{type(batch).__name__}" + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else "") + hint
     )
 
 
