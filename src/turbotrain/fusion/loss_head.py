@@ -578,14 +578,13 @@ def loss_is_the_cross_entropy(loss: Tensor, nll) -> bool:
     return True
 
 
-def loss_has_no_other_term(loss: Tensor, logits: Tensor) -> str:
-    """Why the fused head's loss would drop part of ``loss``, or "" if every gradient path from the loss
-    to a parameter runs through ``logits``.
+def loss_has_other_term(loss: Tensor, logits: Tensor) -> bool:
+    """Some gradient path from ``loss`` to a parameter does not run through ``logits``.
 
-    Where the fused head replaces the whole loss (a Hugging Face model's ``labels=`` loss, a user's
-    loss_fn), a term the loss adds that does not come from the logits (a mixture-of-experts router's
-    load-balancing loss, a regulariser on hidden states) would be lost without a word; at
-    initialisation such a term can be well inside the bf16 loss check's tolerance.
+    A term the loss adds that does not come from the logits (a mixture-of-experts router's
+    load-balancing loss, a regulariser on hidden states, a second head's loss) would be lost if the
+    fused head computed the whole loss from the targets; at initialisation such a term can be well
+    inside the bf16 loss check's tolerance. Such a loss has its own cross-entropy call answered instead.
     """
     target, stack, seen = logits.grad_fn, [loss.grad_fn], set()
     while stack:
@@ -594,10 +593,9 @@ def loss_has_no_other_term(loss: Tensor, logits: Tensor) -> str:
             continue
         seen.add(node)
         if type(node).__name__ == "AccumulateGrad":
-            return ("the loss has a term that does not come from the logits (an auxiliary loss, e.g. a "
-                    "router's load-balancing loss), which the fused head would drop")
+            return True
         stack.extend(child for child, _ in node.next_functions)
-    return ""
+    return False
 
 
 def _nll_settings(nodes: list) -> tuple[dict, str]:
@@ -641,7 +639,7 @@ def _run(model, head, contract: LossContract, batch: Batch, context, fused: Opti
                 if not why and not own_loss_batch(batch):  # the model's own loss keeps its own terms and settings
                     settings, why = _nll_settings(nll)
                     if not why and (not loss_is_the_cross_entropy(loss, nll[0])
-                                    or loss_has_no_other_term(loss, seen[0])):
+                                    or loss_has_other_term(loss, seen[0])):
                         # the loss scales the cross-entropy or adds to it: keep all of it, answer its call
                         settings = {"through_loss": True}
             elif fused is None:
