@@ -77,7 +77,7 @@ class FusionTransform(Transform):
         self.report.param_map.clear()
         if "linear_cross_entropy" in self.patterns:
             if plan.head_path is None:
-                self.loss_head, fused = self._functional_head(model, ctx, context)
+                self.loss_head, fused = self._functional_head(model, plan, ctx, context)
                 plan.loss_head = fused
                 if fused is not None and plan.head is not None:  # keep_fp32_head's hook goes on the fused head
                     plan.head = fused
@@ -104,11 +104,13 @@ class FusionTransform(Transform):
                 plan.head = fused.__dict__["_stock"]
 
     @staticmethod
-    def _functional_head(model: nn.Module, ctx: ApplyContext, context):
-        """The fused head for logits the model computes with ``F.linear`` on a Parameter no Linear holds."""
+    def _functional_head(model: nn.Module, plan: ModelPlan, ctx: ApplyContext, context):
+        """The fused head for logits the model computes with ``F.linear`` on a Parameter no Linear holds
+        (the FunctionalHead keep_fp32_head already found in ``plan.head``, else found here)."""
         from .loss_head import NO_HEAD, LossHeadResult, functional_head_of, install_functional_loss_head
 
-        head = functional_head_of(model, ctx.example, context)
+        head = plan.head if getattr(plan.head, "site", None) is not None else functional_head_of(model, ctx.example,
+                                                                                                 context)
         if head is None:
             return LossHeadResult("<none>", False, NO_HEAD), None
         return install_functional_loss_head(model, head, ctx.loss_contract, ctx.example, ctx.dtype, context)
