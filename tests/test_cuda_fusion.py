@@ -91,6 +91,21 @@ def test_linear_cross_entropy_cuda(dtype, tol, vocab, with_bias, chunk_rows):
     compare(fused, ref, inputs, tol)
 
 
+@pytest.mark.parametrize("dtype,tol", CUDA_DTYPES)
+@pytest.mark.parametrize("smoothing, weighted", [(0.1, False), (0.0, True), (0.2, True)])
+def test_linear_cross_entropy_cuda_label_smoothing_and_class_weights(dtype, tol, smoothing, weighted):
+    h, w, b = leaves(dtype, (5, 123, 64), (5000, 64), (5000,), scale=0.5)
+    g = torch.Generator().manual_seed(2)
+    targets = torch.randint(0, 5000, (5, 123), generator=g)
+    targets[0, :50] = -100
+    weight = torch.rand(5000, generator=g) + 0.5 if weighted else None
+    settings = dict(label_smoothing=smoothing)
+    fused = lambda h, w, b: linear_cross_entropy(h, w, b, targets.cuda(), chunk_rows=200, **settings,  # noqa: E731
+                                                 class_weight=None if weight is None else weight.cuda())
+    ref = lambda h, w, b: linear_cross_entropy_reference(h, w, b, targets, **settings, class_weight=weight)  # noqa: E731
+    compare(fused, ref, on_cuda([h, w, b]), tol)
+
+
 def test_linear_cross_entropy_cuda_transposed_hidden():
     h, w = leaves(torch.bfloat16, (123, 64), (1000, 64), scale=0.5)
     targets = torch.randint(0, 1000, (123,), generator=torch.Generator().manual_seed(2))

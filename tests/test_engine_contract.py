@@ -645,7 +645,7 @@ def _smoothed_by_hand(out, y):
 
 
 def _class_weights(out, y):
-    weight = torch.linspace(0.95, 1.05, out.shape[-1])
+    weight = torch.linspace(0.5, 2.0, out.shape[-1])
     return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1), weight=weight)
 
 
@@ -665,17 +665,25 @@ def _twice(out, y):
     return F.cross_entropy(flat, y) + 0.01 * F.cross_entropy(flat[:4], y[:4])
 
 
+def _nll_weighted(out, y):
+    weight = torch.linspace(0.95, 1.05, out.shape[-1])
+    return F.nll_loss(F.log_softmax(out.reshape(-1, out.shape[-1]), -1), y.reshape(-1), weight=weight)
+
+
 @pytest.mark.parametrize("loss_fn, refused", [
-    (_smoothed, "label smoothing"), (_smoothed_by_hand, "label smoothing"), (_class_weights, "weights the classes"),
+    (_smoothed_by_hand, "label smoothing written out"), (_nll_weighted, "weights the classes with nll_loss"),
     (_nll_by_index, "picks the targets' log-probabilities itself"), (_masked_mean, "per-token losses"),
     (_twice, "2 cross-entropy terms"),
     (lambda out, y: F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1)), None),
-], ids=["label-smoothing", "smoothing-by-hand", "class-weights", "nll-by-index", "masked-mean", "twice",
-        "cross-entropy"])
+    (_smoothed, None), (_class_weights, None),
+], ids=["smoothing-by-hand", "nll-class-weights", "nll-by-index", "masked-mean", "twice", "cross-entropy",
+        "label-smoothing", "class-weights"])
 def test_a_loss_the_fused_head_would_not_reproduce_on_every_batch_keeps_its_head(loss_fn, refused):
     # In bf16 a smoothing of 0.05 moves the head's gradient by about 26 dB and the loss by 2e-4: the
-    # numerical check (20 dB, 2e-2) fused it, and the smoothing was dropped without a word. A mask or
-    # per-token weights agree with the fused mean on a first batch without padding, and not after.
+    # numerical check (20 dB, 2e-2) fused it, and a smoothing the kernel did not compute was dropped
+    # without a word. F.cross_entropy's own label_smoothing and weight= it computes (the test below);
+    # written out by hand they stay unfused. A mask or per-token weights agree with the fused mean on
+    # a first batch without padding, and not after.
     torch.manual_seed(0)
     model = TupleLM("logits", vocab=512)
     engine = Engine(model, torch.optim.AdamW(model.parameters(), lr=1e-3), loss_fn,
@@ -686,6 +694,46 @@ def test_a_loss_the_fused_head_would_not_reproduce_on_every_batch_keeps_its_head
         assert head.fused, head.reason
     else:
         assert not head.fused and refused in head.reason, head.reason
+
+
+def _smoothed_and_weighted(out, y):
+    weight = torch.linspace(0.5, 1.5, out.shape[-1])
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1), weight=weight, label_smoothing=0.2,
+                           ignore_index=-1)
+
+
+_SMOOTHING_MODULE = nn.CrossEntropyLoss(label_smoothing=0.2, reduction="sum")
+
+
+@pytest.mark.parametrize("loss_fn, pad", [
+    (_smoothed, -100), (_class_weights, -100), (_smoothed_and_weighted, -1),
+    (lambda out, y: _SMOOTHING_MODULE(out.reshape(-1, out.shape[-1]), y.reshape(-1)) / 50.0, -100),
+], ids=["label-smoothing", "class-weights", "both", "module-sum"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16-master"])
+def test_label_smoothing_and_class_weights_are_computed_by_the_fused_head(loss_fn, pad, precision):
+    # They go through the loss's own cross-entropy call, so the settings and whatever the loss does
+    # around the call (a division by a token count) stay. The later batches carry padding (the loss's
+    # ignore_index), where a weighted mean divides by the kept targets' summed weights.
+    batches = _tuple_batches(5)
+    batches[1][1][:, 5:] = pad
+    batches[2][1][:, 2:] = pad
+    batches[3][1][0] = pad
+    runs = {}
+    for fuse in (False, True):
+        torch.manual_seed(0)
+        model = TupleLM()
+        engine = Engine(model, torch.optim.SGD(model.parameters(), lr=0.5), loss_fn,
+                        config=Config(device="cpu", precision=precision, fuse=("linear_cross_entropy",) if fuse else None))
+        runs[fuse] = [float(engine.step(b).loss) for b in batches[:-1]], engine.eval_loss(batches[-1:]), \
+            engine.module.head.weight.detach().float().clone()
+        if fuse:
+            head = engine._transform("fusion").loss_head
+            assert head.fused and head.through_loss, head.reason
+    (stock, stock_eval, stock_w), (fused, fused_eval, fused_w) = runs[False], runs[True]
+    tol = 1e-5 if precision == "fp32" else 5e-3
+    assert fused == pytest.approx(stock, rel=tol)
+    assert fused_eval == pytest.approx(stock_eval, rel=tol)
+    assert float((fused_w - stock_w).norm() / stock_w.norm()) < tol  # bf16: a weight may be one ulp apart
 
 
 @pytest.mark.parametrize("ignore_index, reduction", [(-1, "mean"), (-100, "sum"), (-1, "sum")])

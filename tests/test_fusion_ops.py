@@ -150,6 +150,37 @@ def test_linear_cross_entropy(dtype, tol, with_bias, chunk_rows):
     assert bias is None or bias.requires_grad
 
 
+@pytest.mark.parametrize("dtype,tol", [
+    pytest.param(torch.float32, {"rel": 1e-4}, id="fp32"),
+    pytest.param(torch.bfloat16, {"sqnr": 30.0}, id="bf16"),
+])
+@pytest.mark.parametrize("smoothing, weighted", [(0.1, False), (0.0, True), (0.3, True)],
+                         ids=["smoothing", "class-weights", "both"])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_linear_cross_entropy_with_label_smoothing_and_class_weights(dtype, tol, smoothing, weighted, reduction):
+    # F.cross_entropy's meaning: the smoothing spreads over every class, weighted by the class weights
+    # where there are some, and a weighted mean divides by the kept targets' summed weights.
+    h, w, b = leaves(dtype, (3, 57, 32), (300, 32), (300,), scale=0.5)
+    g = torch.Generator().manual_seed(5)
+    targets = torch.randint(0, 300, (3, 57), generator=g)
+    targets[1, 10:] = -100
+    weight = torch.rand(300, generator=g) * 2 + 0.1 if weighted else None
+    settings = dict(reduction=reduction, label_smoothing=smoothing, class_weight=weight)
+    fused = lambda h, w, b: linear_cross_entropy(h, w, b, targets, chunk_rows=40, **settings)  # noqa: E731
+    ref = lambda h, w, b: linear_cross_entropy_reference(h, w, b, targets, **settings)  # noqa: E731
+    compare(fused, ref, [h, w, b], tol)
+
+
+def test_linear_cross_entropy_names_bad_smoothing_and_class_weights():
+    h, w, t = torch.randn(4, 8), torch.randn(10, 8), torch.tensor([1, 2, 3, 4])
+    with pytest.raises(FusionError, match="label_smoothing=1.5"):
+        linear_cross_entropy(h, w, None, t, label_smoothing=1.5)
+    with pytest.raises(FusionError, match="one weight per class"):
+        linear_cross_entropy(h, w, None, t, class_weight=torch.ones(9))
+    with pytest.raises(FusionError, match="requires grad"):
+        linear_cross_entropy(h, w, None, t, class_weight=torch.ones(10, requires_grad=True))
+
+
 def test_linear_cross_entropy_never_allocates_full_logits():
     rows, vocab, dim = 512, 4096, 32
     h = torch.randn(rows, dim, requires_grad=True)

@@ -53,14 +53,15 @@ def check_swiglu(kernels):
     close(kernels.swiglu_backward(grad, gate_up), _backward(grad, gate_up))
 
 
-def check_cross_entropy_chunk(kernels, vocab):
+def check_cross_entropy_chunk(kernels, vocab, smoothing=0.0, weighted=False):
     from turbotrain.fusion.ops.linear_cross_entropy import _ce_chunk
 
     g = torch.Generator().manual_seed(2)
     logits = torch.randn(6, vocab, generator=g) * 3
     targets = torch.tensor([1, 2, -100, 4, vocab - 1, 0])
-    for a, e in zip(kernels.cross_entropy_chunk(logits, targets, -100, True),
-                    _ce_chunk(logits, targets, -100, True)):
+    weight = torch.rand(vocab, generator=g) * 2 if weighted else None
+    for a, e in zip(kernels.cross_entropy_chunk(logits, targets, -100, True, smoothing, weight),
+                    _ce_chunk(logits, targets, -100, True, smoothing, weight)):
         close(a, e)
 
 
@@ -80,7 +81,7 @@ def check_cross_entropy_bias_grad_in_fp32(kernels):
     torch.testing.assert_close(got[1], want[1])  # the stored grad itself is bf16 on both sides
 
 
-def check_ops_end_to_end_on_the_kernel_path(kernels, vocab):
+def check_ops_end_to_end_on_the_kernel_path(kernels, vocab, smoothing=0.0, weighted=False):
     # The ops' CUDA code path (wrappers, chunking, FP32 scaling, bias kernel) with the interpreter
     # standing in for the GPU: use_triton says yes to CPU tensors.
     import importlib
@@ -92,8 +93,9 @@ def check_ops_end_to_end_on_the_kernel_path(kernels, vocab):
     h, w, b = (torch.randn(*s, generator=g).requires_grad_() for s in ((50, 16), (vocab, 16), (vocab,)))
     targets = torch.randint(0, vocab, (50,), generator=g)
     targets[::9] = -100
-    got = lce.linear_cross_entropy(h, w, b, targets, chunk_rows=16)
-    want = lce.linear_cross_entropy_reference(h, w, b, targets)
+    weight = torch.rand(vocab, generator=g) + 0.5 if weighted else None
+    got = lce.linear_cross_entropy(h, w, b, targets, chunk_rows=16, label_smoothing=smoothing, class_weight=weight)
+    want = lce.linear_cross_entropy_reference(h, w, b, targets, label_smoothing=smoothing, class_weight=weight)
     close(got, want)
     for a, e in zip(torch.autograd.grad(got, (h, w, b)), torch.autograd.grad(want, (h, w, b))):
         close(a, e)
@@ -111,6 +113,9 @@ CHECKS += [(check_layernorm_act, ("gelu", True, True)), (check_swiglu, ()),
            (check_cross_entropy_chunk, (50,)), (check_cross_entropy_chunk, (5000,)),
            (check_cross_entropy_bias_grad_in_fp32, ()), (check_ops_end_to_end_on_the_kernel_path, (1000,)),
            (check_ops_end_to_end_on_the_kernel_path, (5000,))]
+# F.cross_entropy's label_smoothing and weight=: each alone and both, over one block and several
+CHECKS += [(check_cross_entropy_chunk, (v, s, w)) for v in (50, 5000) for s, w in ((0.1, False), (0.0, True), (0.2, True))]
+CHECKS += [(check_ops_end_to_end_on_the_kernel_path, (1000, 0.1, True))]
 
 if __name__ == "__main__":
     from turbotrain.fusion.ops import _triton_kernels

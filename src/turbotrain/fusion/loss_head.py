@@ -158,12 +158,15 @@ class FusedLossHead(nn.Module):
         return (value.shape[-1] == self.out_features and value.numel() == x.numel() // x.shape[-1] * self.out_features
                 and all(s == 0 for s in value.stride()))
 
-    def own_loss(self, target: Tensor, ignore_index: int, reduction: str) -> Tensor:
-        """The fused cross-entropy of the kept input against ``target`` (one class index per logits row)."""
+    def own_loss(self, target: Tensor, ignore_index: int, reduction: str, label_smoothing: float = 0.0,
+                 class_weight: Optional[Tensor] = None) -> Tensor:
+        """The fused cross-entropy of the kept input against ``target`` (one class index per logits row),
+        with F.cross_entropy's ``label_smoothing`` and class ``weight`` where the call names them."""
         x, w, b = self._input
         rows = x.reshape(-1, x.shape[-1])
         target = target.reshape(-1)
-        return linear_cross_entropy(rows, w, b, target, ignore_index, self.chunk_rows, reduction)
+        return linear_cross_entropy(rows, w, b, target, ignore_index, self.chunk_rows, reduction,
+                                    label_smoothing, class_weight)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -336,7 +339,8 @@ class OwnLossMode(TorchFunctionMode):
     (``nn.CrossEntropyLoss`` calls it too) returns the fused loss; every other call runs as it is.
 
     ``calls`` counts the cross-entropies it answered (the same logits may be scored more than once).
-    One it cannot answer the same way (class weights, label smoothing, a per-token loss) raises
+    Its ``label_smoothing`` and class ``weight`` are the fused kernel's too. One it cannot answer the same
+    way (a per-token loss, class probabilities as targets) raises
     :class:`~turbotrain.errors.FusionError`, which the set-up's loss check turns into a rollback with
     that reason.
     """
@@ -363,10 +367,7 @@ class OwnLossMode(TorchFunctionMode):
         from ..errors import FusionError
 
         reduction = bound.get("reduction", "mean")
-        unlike = [name for name, stock in (("weight", None), ("size_average", None), ("reduce", None))
-                  if bound.get(name) is not stock]
-        if float(bound.get("label_smoothing", 0.0)) != 0.0:
-            unlike.append("label_smoothing")
+        unlike = [name for name, stock in (("size_average", None), ("reduce", None)) if bound.get(name) is not stock]
         if reduction not in ("mean", "sum"):
             unlike.append(f"reduction={reduction!r}")
         if unlike:
@@ -376,7 +377,35 @@ class OwnLossMode(TorchFunctionMode):
         if not isinstance(target, Tensor) or target.is_floating_point():
             raise FusionError("the model's cross-entropy takes class probabilities, not class indices")
         self.calls += 1
-        return self.head.own_loss(target, int(bound.get("ignore_index", IGNORE_INDEX)), reduction)
+        return self.head.own_loss(target, int(bound.get("ignore_index", IGNORE_INDEX)), reduction,
+                                  float(bound.get("label_smoothing", 0.0)), bound.get("weight"))
+
+
+class _SettledCrossEntropies(TorchFunctionMode):
+    """Records each ``F.cross_entropy`` call (``nn.CrossEntropyLoss`` makes one) that uses
+    ``label_smoothing`` or ``weight=``, as ``{its output's autograd node: its input's}``.
+
+    Inside such a call the autograd graph shows more than a log-softmax under one nll_loss (the
+    smoothing's sum over every class's log-probability), which read node by node looks like a loss
+    the fused kernel cannot compute. Seen as one call, with its settings known, it is one the kernel
+    computes (:class:`OwnLossMode` passes them on), so the graph walk steps over it.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.calls: dict = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func is F.cross_entropy:
+            bound = dict(zip(_CROSS_ENTROPY_ARGS, args), **kwargs)
+            weight, logits = bound.get("weight"), bound.get("input")
+            settled = float(bound.get("label_smoothing", 0.0)) != 0.0 or weight is not None
+            if (settled and isinstance(out, Tensor) and out.grad_fn is not None and isinstance(logits, Tensor)
+                    and logits.grad_fn is not None and not (isinstance(weight, Tensor) and weight.requires_grad)):
+                self.calls[out.grad_fn] = logits.grad_fn
+        return out
 
 
 def through_own_call(batch: Batch, head: FusedLossHead) -> bool:
@@ -490,7 +519,8 @@ def _is_identity_scale(node) -> bool:
     return isinstance(other, Tensor) and other.numel() == 1 and float(other) == 1.0
 
 
-def logits_feed_only_the_log_softmax(loss: Tensor, logits: Tensor, nll: Optional[list] = None) -> str:
+def logits_feed_only_the_log_softmax(loss: Tensor, logits: Tensor, nll: Optional[list] = None,
+                                     settled: Optional[dict] = None, stepped: Optional[list] = None) -> str:
     """Why the fused head would not compute what ``loss`` computes from ``logits``, or "" if it would.
 
     The fused kernel is cross-entropy on the head's raw output. So on every path of the autograd graph
@@ -501,8 +531,12 @@ def logits_feed_only_the_log_softmax(loss: Tensor, logits: Tensor, nll: Optional
     than the target's (label smoothing), weigh the classes, or weigh or mask the per-token losses
     themselves (``reduction='none'``, ``gather``): a first batch can agree with the fused loss by
     chance (no padding in it) where later ones would not. ``nll`` collects the nll_loss nodes (their
-    ignore_index and reduction are the fused loss's).
+    ignore_index and reduction are the fused loss's). ``settled`` maps the output node of each
+    ``F.cross_entropy`` call with label smoothing or class weights to its input's node
+    (:class:`_SettledCrossEntropies`): the walk steps over such a call, which the kernel computes with
+    those settings, to its input, and appends the output node to ``stepped``.
     """
+    settled = settled or {}
     target = logits.grad_fn
     if target is None or loss.grad_fn is None:
         return "the logits or the loss carry no autograd graph to inspect"
@@ -537,6 +571,11 @@ def logits_feed_only_the_log_softmax(loss: Tensor, logits: Tensor, nll: Optional
             if not below:
                 return "the logits reach the loss other than through cross-entropy's log-softmax"
             continue
+        if not below and not picked and node in settled:  # F.cross_entropy(label_smoothing=, weight=)
+            if stepped is not None:
+                stepped.append(node)
+            stack.append((settled[node], True, True))
+            continue
         name = type(node).__name__
         if below and name in _POSITION_PICKS:
             return ("the loss scores a selection of the logits' positions (logits[:, -1], an index or a mask), "
@@ -546,14 +585,16 @@ def logits_feed_only_the_log_softmax(loss: Tensor, logits: Tensor, nll: Optional
         if not below and name in _LOG_SOFTMAX and not picked:
             # a term over every class's log-probability: label smoothing (F.cross_entropy's or written
             # out), whose gradient share (~the smoothing factor) a bf16 check's 20 dB can let through
-            return ("the loss uses the log-probabilities of classes other than the target (label smoothing, "
-                    "or a sum over the classes), which the fused cross-entropy does not compute")
+            return ("the loss uses the log-probabilities of classes other than the target (label smoothing written "
+                    "out, or a sum over the classes), which the fused cross-entropy does not compute; "
+                    "F.cross_entropy(..., label_smoothing=s) it does")
         if not picked and name in _PER_TOKEN_PICKS:
             return ("the loss picks the targets' log-probabilities itself (gather or indexing) and may weigh or "
                     "mask them, which the fused cross-entropy does not follow; use F.cross_entropy or F.nll_loss")
         if not picked and name in _NLL:
             if getattr(node, "_saved_weight", None) is not None:
-                return "the loss weights the classes (cross-entropy's weight=), which the fused cross-entropy does not"
+                return ("the loss weights the classes with nll_loss's weight= (or a weight that trains), which the "
+                        "fused cross-entropy does not follow; F.cross_entropy(..., weight=w) it does")
             if _REDUCTIONS.get(getattr(node, "_saved_reduction", 1)) not in ("mean", "sum"):
                 return ("the loss keeps per-token losses (reduction='none') and reduces them itself, which the "
                         "fused cross-entropy does not follow")
@@ -617,7 +658,8 @@ def _run(model, head, contract: LossContract, batch: Batch, context, fused: Opti
 
     The gradient is the head weight's, or where the head is frozen (a LoRA fine-tune, a tied frozen
     embedding) its input's, which the fused kernel computes just the same."""
-    seen, nll, settings, inputs = [], [], {}, []
+    seen, nll, settings, inputs, stepped = [], [], {}, [], []
+    recorder = _SettledCrossEntropies() if fused is None else contextlib.nullcontext()
     hook = head.register_forward_hook(lambda mod, args, out: seen.append(out)) if fused is None else None
     in_hook = head.register_forward_pre_hook(lambda mod, args: inputs.append(args[0] if args else None))
     try:
@@ -625,7 +667,9 @@ def _run(model, head, contract: LossContract, batch: Batch, context, fused: Opti
             with context(), head_calls(head):
                 torch.manual_seed(0)  # same dropout masks in the stock and the fused run
                 if fused is None:
-                    loss = check_loss(contract(model, batch), contract.source)  # a bad loss is the user's to fix
+                    with recorder:
+                        loss = contract(model, batch)
+                    loss = check_loss(loss, contract.source)  # a bad loss is the user's to fix
                 elif through_own_call(batch, fused):
                     loss = own_loss(model, fused, batch, contract)
                 else:
@@ -635,8 +679,11 @@ def _run(model, head, contract: LossContract, batch: Batch, context, fused: Opti
                     loss = fused.take_loss()
             why = ""
             if fused is None and len(seen) == 1 and isinstance(seen[0], Tensor):
-                why = logits_feed_only_the_log_softmax(loss, seen[0], nll)
-                if not why and not own_loss_batch(batch):  # the model's own loss keeps its own terms and settings
+                why = logits_feed_only_the_log_softmax(loss, seen[0], nll, recorder.calls, stepped)
+                if not why and not own_loss_batch(batch) and stepped:
+                    # label smoothing or class weights: the loss's own call, with its settings, is answered
+                    settings = {"through_loss": True}
+                elif not why and not own_loss_batch(batch):  # the model's own loss keeps its own terms and settings
                     settings, why = _nll_settings(nll)
                     if not why and (not loss_is_the_cross_entropy(loss, nll[0])
                                     or loss_has_other_term(loss, seen[0])):

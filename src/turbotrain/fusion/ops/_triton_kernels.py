@@ -239,19 +239,32 @@ def swiglu_backward(grad, gate_up):
 
 
 @triton.jit
-def _ce_chunk_kernel(Logits, Targets, Grad, Loss, Lse, V, ignore_index, BLOCK_V: tl.constexpr):
+def _ce_chunk_kernel(Logits, Targets, Grad, Loss, Lse, Weight, TotalW, V, ignore_index, smoothing,
+                     BLOCK_V: tl.constexpr, SMOOTH: tl.constexpr, HAS_WEIGHT: tl.constexpr):
+    # With label smoothing s and class weights w (ones without; total_w their sum) the row's loss is
+    # (1-s) w_t (lse - z_t) + s/V (total_w lse - sum_c w_c z_c), its gradient
+    # (1-s) w_t (softmax - onehot) + s/V (total_w softmax - w): F.cross_entropy's.
     row = tl.program_id(0).to(tl.int64)
+    total_w = V * 1.0
+    if HAS_WEIGHT:
+        total_w = tl.load(TotalW)
     base = Logits + row * V
     target = tl.load(Targets + row)
     # Pass 1: online max and sum of exponentials, so the row is never held whole.
     m = tl.max(tl.full([BLOCK_V], float("-inf"), tl.float32), axis=0)
     s = tl.sum(tl.zeros([BLOCK_V], tl.float32), axis=0)
+    wz = tl.sum(tl.zeros([BLOCK_V], tl.float32), axis=0)  # sum_c w_c z_c, for label smoothing
     for off in range(0, V, BLOCK_V):
         cols = off + tl.arange(0, BLOCK_V)
         x = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
         m_new = tl.maximum(m, tl.max(x, axis=0))
         s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
         m = m_new
+        if SMOOTH:
+            xz = tl.where(cols < V, x, 0.0)
+            if HAS_WEIGHT:
+                xz = xz * tl.load(Weight + cols, mask=cols < V, other=0.0).to(tl.float32)
+            wz += tl.sum(xz, axis=0)
     lse = m + tl.log(s)
     valid = target != ignore_index
     # The wrapper's caller has checked the targets; the mask only keeps a bad one from reading
@@ -259,24 +272,42 @@ def _ce_chunk_kernel(Logits, Targets, Grad, Loss, Lse, V, ignore_index, BLOCK_V:
     safe_target = tl.where(valid & (target >= 0) & (target < V), target, 0)
     keep = tl.where(valid, 1.0, 0.0)
     target_logit = tl.load(base + safe_target).to(tl.float32)
-    tl.store(Loss + row, tl.where(valid, lse - target_logit, 0.0))
+    w_t = 1.0
+    if HAS_WEIGHT:
+        w_t = tl.load(Weight + safe_target).to(tl.float32)
+    row_loss = (1.0 - smoothing) * w_t * (lse - target_logit)
+    if SMOOTH:
+        row_loss += smoothing / V * (total_w * lse - wz)
+    tl.store(Loss + row, tl.where(valid, row_loss, 0.0))
     tl.store(Lse + row, lse)
-    # Pass 2: softmax - onehot, O(1) values; the caller scales by 1/n_valid in FP32.
+    # Pass 2: the gradient, O(1) values; the caller scales by the mean's 1/denominator in FP32.
     for off in range(0, V, BLOCK_V):
         cols = off + tl.arange(0, BLOCK_V)
         mask = cols < V
         x = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
-        g = (tl.exp(x - lse) - tl.where(cols == safe_target, 1.0, 0.0)) * keep
-        tl.store(Grad + row * V + cols, g.to(Grad.dtype.element_ty), mask=mask)
+        p = tl.exp(x - lse)
+        g = (1.0 - smoothing) * w_t * (p - tl.where(cols == safe_target, 1.0, 0.0))
+        if SMOOTH:
+            w = 1.0
+            if HAS_WEIGHT:
+                w = tl.load(Weight + cols, mask=mask, other=0.0).to(tl.float32)
+            g += smoothing / V * (total_w * p - w)
+        tl.store(Grad + row * V + cols, (g * keep).to(Grad.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _ce_bias_grad_kernel(Logits, Lse, Targets, GradBias, R, V, ignore_index, BLOCK_R: tl.constexpr,
-                         BLOCK_V: tl.constexpr):
-    # Column sums of softmax - onehot, recomputed in FP32 from the logits: summing the stored
-    # gradient instead would add up values already rounded to bf16/fp16.
+def _ce_bias_grad_kernel(Logits, Lse, Targets, GradBias, Weight, TotalW, R, V, ignore_index, smoothing,
+                         BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr, SMOOTH: tl.constexpr,
+                         HAS_WEIGHT: tl.constexpr):
+    # Column sums of the row gradients (as _ce_chunk_kernel's), recomputed in FP32 from the logits:
+    # summing the stored gradient instead would add up values already rounded to bf16/fp16.
     cols = tl.program_id(0).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
     col_ok = cols < V
+    w_c = tl.zeros([BLOCK_V], tl.float32) + 1.0
+    total_w = V * 1.0
+    if HAS_WEIGHT:
+        w_c = tl.load(Weight + cols, mask=col_ok, other=0.0).to(tl.float32)
+        total_w = tl.load(TotalW)
     acc = tl.zeros([BLOCK_V], tl.float32)
     for r0 in range(0, R, BLOCK_R):
         rows = r0 + tl.arange(0, BLOCK_R).to(tl.int64)
@@ -284,7 +315,15 @@ def _ce_bias_grad_kernel(Logits, Lse, Targets, GradBias, R, V, ignore_index, BLO
         lse = tl.load(Lse + rows, mask=rows < R, other=0.0)
         ok = ((rows < R) & (target != ignore_index))[:, None] & col_ok[None, :]
         x = tl.load(Logits + rows[:, None] * V + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-        g = tl.exp(x - lse[:, None]) - tl.where(cols[None, :] == target[:, None], 1.0, 0.0)
+        p = tl.exp(x - lse[:, None])
+        g = p - tl.where(cols[None, :] == target[:, None], 1.0, 0.0)
+        if HAS_WEIGHT:
+            valid_t = (rows < R) & (target != ignore_index)
+            safe_t = tl.where(valid_t & (target >= 0) & (target < V), target, 0)
+            g = g * tl.load(Weight + safe_t, mask=rows < R, other=0.0).to(tl.float32)[:, None]
+        g = (1.0 - smoothing) * g
+        if SMOOTH:
+            g += smoothing / V * (total_w * p - w_c[None, :])
         acc += tl.sum(tl.where(ok, g, 0.0), axis=0)
     tl.store(GradBias + cols, acc, mask=col_ok)
 
@@ -293,21 +332,26 @@ _CE_BLOCK_V = 4096  # vocab values per step of the online softmax; larger vocabu
 _BIAS_BLOCK = (16, 128)  # rows x columns of one step of the bias-grad column sums
 
 
-def cross_entropy_chunk(logits, targets, ignore_index, with_bias):
+def cross_entropy_chunk(logits, targets, ignore_index, with_bias, smoothing=0.0, class_weight=None):
     rows, vocab = logits.shape
     logits, targets = logits.contiguous(), targets.contiguous()
     grad = torch.empty_like(logits)
     loss = torch.empty(rows, dtype=torch.float32, device=logits.device)
     lse = torch.empty_like(loss)
+    smooth, has_weight = smoothing != 0.0, class_weight is not None
+    # Triton takes no None pointer: without class weights the kernels read none (HAS_WEIGHT=False).
+    weight = class_weight.float().contiguous() if has_weight else loss
+    total_w = weight.sum().reshape(1) if has_weight else loss  # read on the device: no host sync
     block, warps = _row_block(min(_CE_BLOCK_V, vocab))
     with _on(logits):
-        _ce_chunk_kernel[(rows,)](logits, targets, grad, loss, lse, vocab, ignore_index,
-                                  BLOCK_V=block, num_warps=warps)
+        _ce_chunk_kernel[(rows,)](logits, targets, grad, loss, lse, weight, total_w, vocab, ignore_index,
+                                  float(smoothing), BLOCK_V=block, SMOOTH=smooth, HAS_WEIGHT=has_weight, num_warps=warps)
         if with_bias:
             grad_bias = torch.empty(vocab, dtype=torch.float32, device=logits.device)
             block_r, block_v = _BIAS_BLOCK
-            _ce_bias_grad_kernel[(triton.cdiv(vocab, block_v),)](logits, lse, targets, grad_bias, rows, vocab,
-                                                                 ignore_index, BLOCK_R=block_r, BLOCK_V=block_v)
+            _ce_bias_grad_kernel[(triton.cdiv(vocab, block_v),)](
+                logits, lse, targets, grad_bias, weight, total_w, rows, vocab, ignore_index, float(smoothing),
+                BLOCK_R=block_r, BLOCK_V=block_v, SMOOTH=smooth, HAS_WEIGHT=has_weight)
         else:
             grad_bias = grad.new_zeros(0, dtype=torch.float32)
     return loss.sum(), grad, grad_bias

@@ -1,4 +1,5 @@
-"""Linear head + mean cross-entropy without ever holding the full FP32 logits.
+"""Linear head + cross-entropy (mean or sum; label smoothing and class weights as F.cross_entropy takes
+them) without ever holding the full FP32 logits.
 
 The rows (tokens) are processed in chunks. For each chunk the logits are computed in the compute
 dtype (bf16 under bf16 training), the log-sum-exp and the softmax gradient in FP32 inside one
@@ -15,7 +16,8 @@ dtypes. The price: the hidden-state grad (tokens x dim) and the weight grad (voc
 accumulated in FP32) are held in FP32 rather than the compute dtype until the backward.
 
 Targets equal to ``ignore_index`` (-100, the padding convention of workloads.base) add neither
-loss nor gradient, and the mean is over the other targets, exactly as F.cross_entropy does.
+loss nor gradient, and the mean is over the other targets (weighted by their class weights where
+there are any), exactly as F.cross_entropy does.
 """
 
 from __future__ import annotations
@@ -61,19 +63,39 @@ def default_chunk_rows(rows: int, vocab: int, dim: int, device: str = "cpu") -> 
 
 
 @epilogue
-def _ce_chunk(logits: Tensor, targets: Tensor, ignore_index: int, with_bias: bool):
-    """(summed loss, softmax - onehot in the logits dtype, its FP32 column sums); ignored rows are 0.
+def _ce_chunk(logits: Tensor, targets: Tensor, ignore_index: int, with_bias: bool, smoothing: float = 0.0,
+              class_weight: Optional[Tensor] = None):
+    """(summed loss, its gradient wrt the logits in the logits dtype, that gradient's FP32 column sums);
+    ignored rows are 0.
 
-    Not divided by n_valid: that scale is applied in FP32 by the caller (see the module docstring).
+    Plain cross-entropy's gradient is softmax - onehot. With label smoothing ``s`` and class weights
+    ``w`` (all ones when None; ``W`` their sum) the row's loss is F.cross_entropy's
+    ``(1-s) w_t (lse - z_t) + s/V (W lse - sum_c w_c z_c)`` and its gradient
+    ``(1-s) w_t (softmax - onehot) + s/V (W softmax - w)``. Not divided by the mean's denominator:
+    that scale is applied in FP32 by the caller (see the module docstring).
     """
     lf = logits.float()
     lse = torch.logsumexp(lf, dim=-1)
     valid = targets != ignore_index
     safe = torch.where(valid, targets, 0)
     target_logit = lf.gather(-1, safe.unsqueeze(-1)).squeeze(-1)
-    loss_sum = torch.where(valid, lse - target_logit, 0.0).sum()
     onehot = torch.arange(lf.shape[-1], device=lf.device).unsqueeze(0) == safe.unsqueeze(-1)
-    grad = (torch.exp(lf - lse.unsqueeze(-1)) - onehot.float()) * valid.unsqueeze(-1)
+    softmax = torch.exp(lf - lse.unsqueeze(-1))
+    if smoothing == 0.0 and class_weight is None:
+        row_loss = lse - target_logit
+        grad = softmax - onehot.float()
+    else:
+        vocab = lf.shape[-1]
+        w = class_weight.float() if class_weight is not None else None
+        w_t = w[safe] if w is not None else 1.0
+        total_w = w.sum() if w is not None else float(vocab)
+        weighted_z = (lf * w).sum(-1) if w is not None else lf.sum(-1)
+        row_loss = (1.0 - smoothing) * w_t * (lse - target_logit) + smoothing / vocab * (total_w * lse - weighted_z)
+        grad = (1.0 - smoothing) * (w_t.unsqueeze(-1) if w is not None else 1.0) * (softmax - onehot.float())
+        if smoothing:
+            grad = grad + smoothing / vocab * (total_w * softmax - (w if w is not None else 1.0))
+    loss_sum = torch.where(valid, row_loss, 0.0).sum()
+    grad = grad * valid.unsqueeze(-1)
     grad_bias = grad.sum(0) if with_bias else grad.new_zeros(0)
     return loss_sum, grad.to(logits.dtype), grad_bias
 
@@ -88,12 +110,14 @@ def _accumulate(total: Tensor, part: Tensor) -> None:
     total.add_(part.float())
 
 
-def _chunk_loss_and_grad(logits, targets, ignore_index, with_bias):
+def _chunk_loss_and_grad(logits, targets, ignore_index, with_bias, smoothing, class_weight):
     if use_triton(logits):
         from . import _triton_kernels
 
-        return _triton_kernels.cross_entropy_chunk(logits, targets, ignore_index, with_bias)
-    return _ce_chunk(logits, targets, ignore_index, with_bias)
+        return _triton_kernels.cross_entropy_chunk(logits, targets, ignore_index, with_bias, smoothing, class_weight)
+    if smoothing == 0.0 and class_weight is None:  # the kernel every plain cross-entropy has compiled already
+        return _ce_chunk(logits, targets, ignore_index, with_bias)
+    return _ce_chunk(logits, targets, ignore_index, with_bias, smoothing, class_weight)
 
 
 def _check_targets(targets: Tensor, vocab: int, ignore_index: int) -> None:
@@ -115,13 +139,21 @@ def _check_targets(targets: Tensor, vocab: int, ignore_index: int) -> None:
 
 @torch.library.custom_op("turbotrain::linear_cross_entropy", mutates_args=())
 def _lce(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor, ignore_index: int,
-         chunk_rows: int, need_h: bool, need_w: bool, mean: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+         chunk_rows: int, need_h: bool, need_w: bool, mean: bool = True, label_smoothing: float = 0.0,
+         class_weight: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     h2 = hidden.reshape(-1, hidden.shape[-1])
     t = targets.reshape(-1)
     _check_targets(t, weight.shape[0], ignore_index)
-    # 1/n_valid stays a tensor: no host sync; with every target ignored it is inf and the loss NaN,
-    # as F.cross_entropy gives (its sum is then 0, with zero gradients: scale 1 here too).
-    scale = 1.0 / (t != ignore_index).sum().float() if mean else 1.0
+    # 1/n_valid (1/sum of the valid targets' class weights) stays a tensor: no host sync; with every
+    # target ignored it is inf and the loss NaN, as F.cross_entropy gives (its sum is then 0, with zero
+    # gradients: scale 1 here too).
+    valid = t != ignore_index
+    if not mean:
+        scale = 1.0
+    elif class_weight is None:
+        scale = 1.0 / valid.sum().float()
+    else:
+        scale = 1.0 / torch.where(valid, class_weight.float()[torch.where(valid, t, 0)], 0.0).sum()
     f32 = dict(dtype=torch.float32, device=hidden.device)
     loss_sum = torch.zeros((), **f32)
     grad_h = torch.empty(h2.shape, **f32) if need_h else h2.new_empty(0, dtype=torch.float32)
@@ -130,7 +162,8 @@ def _lce(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor
     for start in range(0, h2.shape[0], chunk_rows):
         hc, tc = h2[start:start + chunk_rows], t[start:start + chunk_rows]
         logits = torch.addmm(bias, hc, weight.t()) if bias is not None else torch.mm(hc, weight.t())
-        loss_c, grad_logits, grad_bias_c = _chunk_loss_and_grad(logits, tc, ignore_index, bias is not None)
+        loss_c, grad_logits, grad_bias_c = _chunk_loss_and_grad(logits, tc, ignore_index, bias is not None,
+                                                                label_smoothing, class_weight)
         loss_sum += loss_c
         if need_h:  # a GEMM of O(1) values in the compute dtype; 1/n_valid applied in FP32
             rows_h = grad_h[start:start + chunk_rows]
@@ -163,7 +196,8 @@ def _lce(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor
 
 
 @_lce.register_fake
-def _(hidden, weight, bias, targets, ignore_index, chunk_rows, need_h, need_w, mean=True):
+def _(hidden, weight, bias, targets, ignore_index, chunk_rows, need_h, need_w, mean=True, label_smoothing=0.0,
+      class_weight=None):
     f32 = torch.float32  # the saved gradients are FP32 whatever the inputs (module docstring)
     loss = hidden.new_empty((), dtype=f32)
     grad_h = torch.empty_like(hidden, dtype=f32) if need_h else hidden.new_empty(0, dtype=f32)
@@ -186,23 +220,27 @@ def _autograd_backward(ctx, grad_loss, *unused):
     grad_loss = grad_loss.float()
     grads = tuple((g * grad_loss).to(dtype) if need else None
                   for g, dtype, need in zip(saved, ctx.dtypes, needed))
-    return (*grads, None, None, None, None, None, None)
+    return (*grads, None, None, None, None, None, None, None, None)
 
 
 _lce.register_autograd(_autograd_backward, setup_context=_setup_context)
 
 
 @register_flop_formula(torch.ops.turbotrain.linear_cross_entropy)
-def _lce_flops(h_shape, w_shape, b_shape, t_shape, ignore_index, chunk_rows, need_h, need_w, mean=True, **kw) -> int:
+def _lce_flops(h_shape, w_shape, b_shape, t_shape, ignore_index, chunk_rows, need_h, need_w, mean=True, *args,
+               **kw) -> int:
     # The logits GEMM plus the gradient GEMMs, which this op runs in its forward.
     gemm = 2 * math.prod(h_shape[:-1]) * w_shape[0] * w_shape[1]
     return gemm * (1 + int(need_h) + int(need_w))
 
 
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor,
-                         ignore_index: int = -100, chunk_rows: Optional[int] = None, reduction: str = "mean") -> Tensor:
+                         ignore_index: int = -100, chunk_rows: Optional[int] = None, reduction: str = "mean",
+                         label_smoothing: float = 0.0, class_weight: Optional[Tensor] = None) -> Tensor:
     """Mean (or, with ``reduction="sum"``, summed) cross-entropy of ``hidden @ weight^T + bias`` against
-    ``targets``, in chunks of rows.
+    ``targets``, in chunks of rows; ``label_smoothing`` and ``class_weight`` are F.cross_entropy's
+    ``label_smoothing`` and ``weight``, with its meaning (a weighted mean divides by the valid targets'
+    summed class weights).
 
     >>> h, w, t = torch.randn(6, 8), torch.randn(20, 8), torch.tensor([1, 2, -100, 4, 5, 6])
     >>> torch.allclose(linear_cross_entropy(h, w, None, t), linear_cross_entropy_reference(h, w, None, t))
@@ -215,6 +253,17 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
         )
     if targets.dtype not in (torch.int64, torch.int32):
         raise FusionError(f"targets must be integer class indices, got {targets.dtype}")
+    if reduction not in ("mean", "sum"):
+        raise FusionError(f"reduction={reduction!r}: the fused cross-entropy reduces by 'mean' or 'sum'")
+    if not 0.0 <= float(label_smoothing) <= 1.0:
+        raise FusionError(f"label_smoothing={label_smoothing} must be between 0.0 and 1.0, as F.cross_entropy's")
+    if class_weight is not None:
+        if class_weight.shape != (weight.shape[0],) or not class_weight.is_floating_point():
+            raise FusionError(f"class_weight of shape {tuple(class_weight.shape)} and dtype {class_weight.dtype}: "
+                              f"it must be a floating 1-d tensor with one weight per class ({weight.shape[0]})")
+        if class_weight.requires_grad:
+            raise FusionError("class_weight requires grad; F.cross_entropy's weight= is not trained either, so "
+                              "pass it detached")
     rows = targets.numel()
     chunk = chunk_rows or default_chunk_rows(rows, weight.shape[0], weight.shape[1], hidden.device.type)
     grad_on = torch.is_grad_enabled()
@@ -222,15 +271,17 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
     need_w = grad_on and weight.requires_grad
     if bias is not None and grad_on and not bias.requires_grad:
         bias = bias.detach()
-    if reduction not in ("mean", "sum"):
-        raise FusionError(f"reduction={reduction!r}: the fused cross-entropy reduces by 'mean' or 'sum'")
     out = _lce(hidden.contiguous(), weight, bias, targets.long(), ignore_index, chunk, need_h, need_w,
-               reduction == "mean")
+               reduction == "mean", float(label_smoothing),
+               None if class_weight is None else class_weight.contiguous())
     return out[0]
 
 
 def linear_cross_entropy_reference(hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
-                                   targets: Tensor, ignore_index: int = -100) -> Tensor:
+                                   targets: Tensor, ignore_index: int = -100, reduction: str = "mean",
+                                   label_smoothing: float = 0.0, class_weight: Optional[Tensor] = None) -> Tensor:
     """Plain PyTorch twin: full logits, cast to FP32, then F.cross_entropy (as workloads.base does)."""
     logits = F.linear(hidden, weight, bias).float()
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=ignore_index)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=ignore_index,
+                           reduction=reduction, label_smoothing=label_smoothing,
+                           weight=None if class_weight is None else class_weight.float())
