@@ -696,6 +696,19 @@ def test_a_loss_the_fused_head_would_not_reproduce_on_every_batch_keeps_its_head
         assert not head.fused and refused in head.reason, head.reason
 
 
+def _stock_and_fused(loss_fn, batches, lr, precision="fp32"):
+    """((losses, engine) without fusion, (losses, engine) with the fused loss head), each a TupleLM from
+    seed 0 trained by SGD on ``batches``."""
+    runs = []
+    for fuse in (None, ("linear_cross_entropy",)):
+        torch.manual_seed(0)
+        model = TupleLM()
+        engine = Engine(model, torch.optim.SGD(model.parameters(), lr=lr), loss_fn,
+                        config=Config(device="cpu", precision=precision, fuse=fuse))
+        runs.append(([float(engine.step(b).loss) for b in batches], engine))
+    return runs
+
+
 def _smoothed_and_weighted(out, y):
     weight = torch.linspace(0.5, 1.5, out.shape[-1])
     return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1), weight=weight, label_smoothing=0.2,
@@ -718,22 +731,31 @@ def test_label_smoothing_and_class_weights_are_computed_by_the_fused_head(loss_f
     batches[1][1][:, 5:] = pad
     batches[2][1][:, 2:] = pad
     batches[3][1][0] = pad
-    runs = {}
-    for fuse in (False, True):
-        torch.manual_seed(0)
-        model = TupleLM()
-        engine = Engine(model, torch.optim.SGD(model.parameters(), lr=0.5), loss_fn,
-                        config=Config(device="cpu", precision=precision, fuse=("linear_cross_entropy",) if fuse else None))
-        runs[fuse] = [float(engine.step(b).loss) for b in batches[:-1]], engine.eval_loss(batches[-1:]), \
-            engine.module.head.weight.detach().float().clone()
-        if fuse:
-            head = engine._transform("fusion").loss_head
-            assert head.fused and head.through_loss, head.reason
-    (stock, stock_eval, stock_w), (fused, fused_eval, fused_w) = runs[False], runs[True]
+    (stock, stock_engine), (fused, engine) = _stock_and_fused(loss_fn, batches[:-1], lr=0.5, precision=precision)
+    head = engine._transform("fusion").loss_head
+    assert head.fused and head.through_loss, head.reason
     tol = 1e-5 if precision == "fp32" else 5e-3
     assert fused == pytest.approx(stock, rel=tol)
-    assert fused_eval == pytest.approx(stock_eval, rel=tol)
+    assert engine.eval_loss(batches[-1:]) == pytest.approx(stock_engine.eval_loss(batches[-1:]), rel=tol)
+    fused_w, stock_w = (e.module.head.weight.detach().float() for e in (engine, stock_engine))
     assert float((fused_w - stock_w).norm() / stock_w.norm()) < tol  # bf16: a weight may be one ulp apart
+
+
+@pytest.mark.parametrize("loss_fn, through", [
+    (lambda out, y: F.cross_entropy(out.transpose(1, 2), y, ignore_index=-1), False),
+    (lambda out, y: F.cross_entropy(out.transpose(1, 2), y, label_smoothing=0.1, ignore_index=-1), True),
+    (lambda out, y: F.cross_entropy(out.permute(0, 2, 1), y, reduction="sum", ignore_index=-1) / y.numel(), True),
+], ids=["plain", "smoothing", "sum-over-tokens"])
+def test_a_cross_entropy_on_logits_with_the_classes_on_dim_1_is_fused(loss_fn, through):
+    # F.cross_entropy(logits.transpose(1, 2), y) scores (N, C, T) against (N, T): the same loss. Its
+    # autograd node is NllLoss2DBackward0, which the graph walk did not know, so the head was refused
+    # as if the loss had summed over the classes; answering the call must move the classes back.
+    batches = _tuple_batches(4)
+    batches[2][1][:, 3:] = -1
+    (stock, _), (fused, engine) = _stock_and_fused(loss_fn, batches, lr=0.5)
+    head = engine._transform("fusion").loss_head
+    assert head.fused and head.through_loss == through, head.reason
+    assert fused == pytest.approx(stock, rel=1e-5)
 
 
 @pytest.mark.parametrize("ignore_index, reduction", [(-1, "mean"), (-100, "sum"), (-1, "sum")])
@@ -749,16 +771,9 @@ def test_the_fused_head_takes_the_losss_ignore_index_and_reduction(ignore_index,
     batches[2][1][:, 2:] = ignore_index
     if reduction == "sum":  # a batch of padding only: a summed loss of 0, nothing learned (not NaN)
         batches[3][1][:] = ignore_index
-    losses = {}
-    for fuse in (False, True):
-        torch.manual_seed(0)
-        model = TupleLM()
-        engine = Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn,
-                        config=Config(device="cpu", precision="fp32", fuse=("linear_cross_entropy",) if fuse else None))
-        losses[fuse] = [float(engine.step(b).loss) for b in batches]
-        if fuse:
-            assert engine._transform("fusion").loss_head.fused
-    assert losses[True] == pytest.approx(losses[False], rel=1e-5)
+    (stock, _), (fused, engine) = _stock_and_fused(loss_fn, batches, lr=0.1)
+    assert engine._transform("fusion").loss_head.fused
+    assert fused == pytest.approx(stock, rel=1e-5)
 
 
 @pytest.mark.parametrize("frozen", [("head.weight",), ("head.weight", "emb.weight", "mix.weight", "mix.bias")])

@@ -354,6 +354,12 @@ class OwnLossMode(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is F.cross_entropy:
             bound = dict(zip(_CROSS_ENTROPY_ARGS, args), **kwargs)
+            logits = bound.get("input")
+            if (isinstance(logits, Tensor) and logits.dim() >= 3 and not self.head.is_placeholder(logits)
+                    and self.head.is_placeholder(logits.movedim(1, -1))):
+                # F.cross_entropy(logits.transpose(1, 2), y): the classes on dim 1, the targets (N, T);
+                # a layout other than that transpose gives another loss, which the set-up's check sees
+                bound["input"] = logits.movedim(1, -1)
             if self.head.is_placeholder(bound.get("input")):
                 return self._fused(bound)
         elif func in _CASTS and args and self.head.is_placeholder(args[0]):
@@ -500,7 +506,7 @@ _CARRIERS = frozenset({
     "NarrowBackward0",
 })
 _LOG_SOFTMAX = frozenset({"LogSoftmaxBackward0"})
-_NLL = frozenset({"NllLossBackward0", "NllLoss2dBackward0"})
+_NLL = frozenset({"NllLossBackward0", "NllLoss2DBackward0"})  # the second: class dim 1 (N, C, T) input
 #: Per-token picks of the target's log-probability, whose weighting or masking before the mean the
 #: fused head cannot follow (a first batch without padding would not show the difference).
 _PER_TOKEN_PICKS = frozenset({"GatherBackward0", "IndexBackward0"})
