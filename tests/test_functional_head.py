@@ -188,3 +188,108 @@ def test_keep_fp32_head_on_a_model_with_no_head_says_so_once():
     with pytest.warns(UserWarning, match="no head is kept in FP32"):
         engine.step((x, torch.tanh(x)))
     assert engine.plan.head is None
+
+
+class CastedLinear(nn.Linear):
+    """modded-nanogpt's head: a Linear whose forward casts the weight to the input's dtype."""
+
+    def forward(self, x):
+        return F.linear(x, self.weight.type_as(x))
+
+
+class ScaledReadout(nn.Linear):
+    """muP's readout: the input scaled by a width multiplier before the Linear."""
+
+    def forward(self, x):
+        return super().forward(x * 0.5)
+
+
+class InitLinear(nn.Linear):
+    """A Linear subclass for its initialisation only (nn.Linear's forward)."""
+
+    def reset_parameters(self):
+        nn.init.normal_(self.weight, std=0.3)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+
+class SubclassHeadGPT(nn.Module):
+    def __init__(self, head):
+        super().__init__()
+        self.emb, self.mix = nn.Embedding(VOCAB, D), nn.Linear(D, D)
+        self.lm_head = head
+
+    def forward(self, idx):
+        return self.lm_head(torch.tanh(self.mix(self.emb(idx))))
+
+
+SUBCLASS_HEADS = {
+    "casted": lambda: CastedLinear(D, VOCAB, bias=False),
+    "scaled-readout": lambda: ScaledReadout(D, VOCAB),
+    "init-only": lambda: InitLinear(D, VOCAB),
+    "weight-norm": lambda: nn.utils.parametrizations.weight_norm(nn.Linear(D, VOCAB)),
+}
+
+
+def train_subclass(what, fuse, precision="fp32"):
+    torch.manual_seed(0)
+    model = SubclassHeadGPT(SUBCLASS_HEADS[what]())
+    engine = Engine(model, lambda p: torch.optim.AdamW(p, lr=1e-2), lm_loss,
+                    config=Config(device="cpu", precision=precision, fuse=fuse))
+    return engine, [float(engine.step(b).loss) for b in batches()]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-master"])
+@pytest.mark.parametrize("what, path", [("casted", "lm_head.weight (F.linear)"),
+                                        ("scaled-readout", "lm_head.weight (F.linear)"), ("init-only", "lm_head")])
+def test_a_head_that_subclasses_linear_is_fused_with_what_its_forward_does(what, path, precision):
+    # A subclass with its own forward keeps it (the input scale, the cast): its F.linear call on its
+    # own weight is answered; one with nn.Linear's forward is swapped like a Linear. Each was refused
+    # before ("the head is a CastedLinear, not an nn.Linear").
+    engine, fused = train_subclass(what, ("linear_cross_entropy",), precision)
+    head = engine._transform("fusion").loss_head
+    assert head.fused and head.path == path, head.reason
+    assert isinstance(engine.plan.loss_head, FusedLossHead)
+    assert type(engine.module.lm_head) is (FusedLossHead if what == "init-only" else SUBCLASS_HEADS[what]().__class__)
+    _, stock = train_subclass(what, False, precision)
+    assert fused == pytest.approx(stock, rel=1e-5 if precision == "fp32" else 5e-3)
+    if what == "scaled-readout":  # the fused kernel skipping the scale would be a different loss
+        assert fused[1:] != pytest.approx(train_subclass("init-only", False, precision)[1][1:], rel=1e-2)
+
+
+def test_a_casted_head_under_autocast_stays_unfused_and_says_why():
+    # Under autocast the input is bf16 and the weight FP32, so CastedLinear's cast makes a new tensor:
+    # no call on the weight itself to answer. It once read "no Linear produces the logits".
+    engine, fused = train_subclass("casted", ("linear_cross_entropy",), "bf16-mixed")
+    head = engine._transform("fusion").loss_head
+    assert not head.fused and head.path == "lm_head", head.reason
+    assert "CastedLinear whose own forward does not call F.linear on its weight as it is" in head.reason
+    assert fused == pytest.approx(train_subclass("casted", False, "bf16-mixed")[1], rel=1e-6)
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_a_casted_head_is_fused_under_compile_and_with_keep_fp32_head(keep):
+    # keep_fp32_head hands the subclass's forward FP32 inputs (its hook stays on the subclass), so its
+    # cast leaves the FP32 weight the call is answered on; on the fused head the cast made a bf16 copy
+    # and the armed head was never called.
+    def run(fuse):
+        torch.manual_seed(0)
+        model = SubclassHeadGPT(SUBCLASS_HEADS["casted"]())
+        engine = Engine(model, lambda p: torch.optim.AdamW(p, lr=1e-2), lm_loss,
+                        config=Config(device="cpu", precision="bf16-master", fuse=fuse, compile=not keep,
+                                      keep_fp32_head=keep))
+        stats = [engine.step(b) for b in batches()]
+        return engine, [float(s.loss) for s in stats], stats[-1]
+
+    engine, fused, last = run(("linear_cross_entropy",))
+    assert engine._transform("fusion").loss_head.fused
+    assert engine.module.lm_head.weight.dtype == (torch.float32 if keep else torch.bfloat16)
+    assert last.recompiles == 0
+    assert fused == pytest.approx(run(False)[1], rel=1e-4)
+
+
+def test_a_parametrized_head_stays_unfused_and_says_why():
+    engine, fused = train_subclass("weight-norm", ("linear_cross_entropy",))
+    head = engine._transform("fusion").loss_head
+    assert not head.fused and "computed by a parametrization (weight)" in head.reason, head.reason
+    assert fused == pytest.approx(train_subclass("weight-norm", False)[1], rel=1e-6)

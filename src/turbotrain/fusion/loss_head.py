@@ -52,6 +52,7 @@ from .modules import _compute_dtype
 from .ops.linear_cross_entropy import linear_cross_entropy
 
 __all__ = ["FusedLossHead", "FunctionalHead", "LossHeadResult", "OwnLossMode", "head_calls", "install_loss_head",
+           "linear_with_own_forward",
            "functional_head_of", "install_functional_loss_head", "loss_head_refusal", "own_loss_batch",
            "through_own_call", "recheck_loss_head", "LOSS_TOLERANCES"]
 
@@ -298,13 +299,33 @@ class _FunctionalLinears(TorchFunctionMode):
         return out
 
 
+def linear_with_own_forward(module: nn.Module) -> bool:
+    """``module`` is a subclass of nn.Linear with a forward of its own (modded-nanogpt's ``CastedLinear``,
+    ``F.linear(x, self.weight.type_as(x))``; muP's readout, which scales its input first), not
+    parametrized. Swapping a fused head in would drop what that forward does; its ``F.linear`` call on
+    its own weight is answered instead, as a :class:`FunctionalHead`'s, so the rest runs as written."""
+    from torch.nn.utils import parametrize
+
+    return (isinstance(module, nn.Linear) and type(module).forward is not nn.Linear.forward
+            and not parametrize.is_parametrized(module))
+
+
+def own_forward_unanswered(head: nn.Module) -> str:
+    """Why a Linear subclass with its own forward (:func:`linear_with_own_forward`) is not fused when no
+    ``F.linear`` call on its weight was seen."""
+    return (f"the head is a {type(head).__name__} whose own forward does not call F.linear on its weight as it "
+            "is (a cast to another dtype or a transform of the weight makes a new tensor), so there is no call "
+            "to answer with the fused head")
+
+
 def find_functional_head(model: nn.Module, run) -> Optional[tuple[str, Optional[str]]]:
     """(weight name, bias name or None) of the ``F.linear`` call whose output is the logits the model
     returns, where that weight is a Parameter no Linear holds: a tied embedding written out,
     ``F.linear(x, self.wte.weight)`` or ``x @ self.wte.weight.t()``. Found by data flow, as
     :func:`~turbotrain.plan.find_head` finds a Linear (the log-softmax of the logits, or the whole
     output a ``F.cross_entropy`` took, count as well)."""
-    in_linears = {id(p) for m in model.modules() if isinstance(m, nn.Linear) for p in m.parameters(recurse=False)}
+    in_linears = {id(p) for m in model.modules() if isinstance(m, nn.Linear) and not linear_with_own_forward(m)
+                  for p in m.parameters(recurse=False)}
     names = {id(p): n for n, p in model.named_parameters() if id(p) not in in_linears}
     if not names:
         return None
@@ -711,9 +732,19 @@ def _run(model, head, contract: LossContract, batch: Batch, context, fused: Opti
 
 def _unfit(model: nn.Module, head_path: str, example: Batch) -> str:
     """Why the head or the batch rules the fused loss out before anything runs ("" if nothing does)."""
+    from torch.nn.utils import parametrize
+
     head = model.get_submodule(head_path)
-    if type(head) is not nn.Linear:
+    if not isinstance(head, nn.Linear):
         return f"the head is a {type(head).__name__}, not an nn.Linear"
+    if parametrize.is_parametrized(head):  # spectral_norm, weight_norm, orthogonal: a weight made anew each call
+        return (f"the head's weight is computed by a parametrization ({', '.join(head.parametrizations)}) at each "
+                "call, which the fused head would not recompute")
+    extra = sorted({n for n, _ in head.named_parameters()} - {"weight", "bias"}
+                   | {n for n, _ in head.named_buffers()} | {n for n, _ in head.named_children()})
+    if extra:
+        return (f"the head is a {type(head).__name__} that holds {', '.join(extra)} besides its weight and bias, "
+                "which the fused head would drop")
     why = _unfit_targets(example)
     if why:
         return why
@@ -747,10 +778,10 @@ def loss_head_refusal(model: nn.Module, head_path: Optional[str], contract: Loss
     they were; without a Linear head (``head_path`` None) those of a head written as ``F.linear``. "" is
     not a promise: the set-up's loss check can still roll the head back.
     """
-    if head_path is None:
+    if head_path is None or linear_with_own_forward(model.get_submodule(head_path)):
         head = functional_head_of(model, example, context)
         if head is None:
-            return NO_HEAD
+            return NO_HEAD if head_path is None else own_forward_unanswered(model.get_submodule(head_path))
         why = _unfit_targets(example)
     else:
         why = _unfit(model, head_path, example)

@@ -64,7 +64,7 @@ class FusionTransform(Transform):
         """LossHeadResult of the linear+cross-entropy head (None when that pattern is off)."""
 
     def apply(self, model: nn.Module, plan: ModelPlan, ctx: ApplyContext) -> None:
-        from .loss_head import install_loss_head
+        from .loss_head import install_loss_head, linear_with_own_forward
         from .rewrite import fuse
 
         example = ctx.example
@@ -76,11 +76,13 @@ class FusionTransform(Transform):
         # The plan has the map now; the report kept for describe() must not hold the stock tensors.
         self.report.param_map.clear()
         if "linear_cross_entropy" in self.patterns:
-            if plan.head_path is None:
+            if plan.head_path is None or linear_with_own_forward(plan.head):  # its F.linear call is answered
                 self.loss_head, fused = self._functional_head(model, plan, ctx, context)
                 plan.loss_head = fused
-                if fused is not None and plan.head is not None:  # keep_fp32_head's hook goes on the fused head
-                    plan.head = fused
+                if fused is not None and plan.head_path is None and plan.head is not None:
+                    plan.head = fused  # keep_fp32_head's hook goes on the fused head
+                # A Linear subclass stays plan.head: keep_fp32_head's hook hands its forward FP32 inputs, so
+                # a cast of its weight to the input's dtype (CastedLinear) leaves the weight the call answered.
             else:
                 self.loss_head, fused = install_loss_head(model, plan.head_path, ctx.loss_contract, example,
                                                           ctx.dtype, context)
@@ -105,13 +107,17 @@ class FusionTransform(Transform):
 
     @staticmethod
     def _functional_head(model: nn.Module, plan: ModelPlan, ctx: ApplyContext, context):
-        """The fused head for logits the model computes with ``F.linear`` on a Parameter no Linear holds
-        (the FunctionalHead keep_fp32_head already found in ``plan.head``, else found here)."""
-        from .loss_head import NO_HEAD, LossHeadResult, functional_head_of, install_functional_loss_head
+        """The fused head for logits the model computes with ``F.linear`` on a Parameter no Linear holds, or
+        in the forward of a Linear subclass that has its own (the FunctionalHead keep_fp32_head already
+        found in ``plan.head``, else found here)."""
+        from .loss_head import (NO_HEAD, LossHeadResult, functional_head_of, install_functional_loss_head,
+                                own_forward_unanswered)
 
         head = plan.head if getattr(plan.head, "site", None) is not None else functional_head_of(model, ctx.example,
                                                                                                  context)
         if head is None:
+            if plan.head_path is not None:
+                return LossHeadResult(plan.head_path, False, own_forward_unanswered(plan.head)), None
             return LossHeadResult("<none>", False, NO_HEAD), None
         return install_functional_loss_head(model, head, ctx.loss_contract, ctx.example, ctx.dtype, context)
 
