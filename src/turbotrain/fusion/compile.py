@@ -178,12 +178,87 @@ def _fold_pass():
     return FoldRepeatedReductions()
 
 
-def _compile_options() -> dict:
-    """Inductor options for the Engine's compile: the fold pass, then any the user set."""
+def keep_fp32_in_graph(graph) -> int:
+    """Give the FP32 keep-list's ops that still take bf16/fp16 tensors in a Dynamo graph FP32 inputs
+    (and, for the norms and softmaxes, their output back in the input's dtype), as
+    :class:`~turbotrain.precision.keep_fp32.KeepFp32Mode` does in eager code; returns how many.
+
+    Dynamo hands the mode most calls while it traces, and the graph then holds the mode's casts. It
+    does not hand it the call of a torch.nn module constructed inside the compiled code: Hugging
+    Face's BART, T5 and classification heads build ``CrossEntropyLoss()`` in their forward, and the
+    loss came out of Inductor in bf16 (BART's step losses up to 2e-3 off the FP32 loop's, every
+    other model's ~5e-5). An op the mode did handle already takes FP32 inputs and is left alone.
+    """
+    from torch import fx
+
+    from ..precision.keep_fp32 import RETURN_FP32, RETURN_INPUT_DTYPE
+
+    # Tensor methods (x.softmax(-1)) are call_method nodes named by the method
+    methods = {f.__name__: f for f in RETURN_INPUT_DTYPE | RETURN_FP32 if getattr(torch.Tensor, f.__name__, None) is f}
+    low = (torch.bfloat16, torch.float16)
+
+    def low_dtype(arg):
+        value = arg.meta.get("example_value") if isinstance(arg, fx.Node) else None
+        return value.dtype if isinstance(value, torch.Tensor) and value.dtype in low else None
+
+    changed = 0
+    for node in list(graph.nodes):
+        target = node.target if node.op == "call_function" else methods.get(node.target) if node.op == "call_method" else None
+        if target not in RETURN_FP32 and target not in RETURN_INPUT_DTYPE:
+            continue
+        inputs = [a for a in node.all_input_nodes if low_dtype(a) is not None]
+        if not inputs:
+            continue
+        back = low_dtype(inputs[0])
+        casts = {}
+        with graph.inserting_before(node):
+            for a in inputs:
+                casts[a] = graph.call_method("float", (a,))
+                value = a.meta["example_value"]
+                with value.fake_mode:
+                    casts[a].meta["example_value"] = value.float()
+        node.args = fx.map_arg(node.args, lambda a: casts.get(a, a))
+        node.kwargs = fx.map_arg(node.kwargs, lambda a: casts.get(a, a))
+        out = node.meta.get("example_value")
+        if isinstance(out, torch.Tensor):
+            with out.fake_mode:
+                node.meta["example_value"] = out.float()
+        if target in RETURN_INPUT_DTYPE:
+            with graph.inserting_after(node):
+                cast_back = graph.call_method("to", (node, back))
+            if isinstance(out, torch.Tensor):
+                with out.fake_mode:
+                    cast_back.meta["example_value"] = out.to(back)
+            node.replace_all_uses_with(cast_back, delete_user_cb=lambda user: user is not cast_back)
+        changed += 1
+    return changed
+
+
+@functools.cache
+def _keep_fp32_pass():
+    """keep_fp32_in_graph as an Inductor pre-grad pass (on the Dynamo graph, before autograd)."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+    class KeepFp32InGraph(CustomGraphPass):
+        def __call__(self, graph) -> None:
+            keep_fp32_in_graph(graph)
+
+        def uuid(self):
+            return get_hash_for_files((__file__,))
+
+    return KeepFp32InGraph()
+
+
+def _compile_options(low_precision: bool = False) -> dict:
+    """Inductor options for the Engine's compile: the fold pass, then any the user set; in a bf16/fp16
+    run the keep-list pass before them (:func:`keep_fp32_in_graph`)."""
     from torch._inductor import config
     from torch._inductor.custom_graph_pass import get_custom_graph_passes
 
-    return {"post_grad_custom_post_pass": (_fold_pass(), *get_custom_graph_passes(config.post_grad_custom_post_pass))}
+    options = {"post_grad_custom_post_pass": (_fold_pass(), *get_custom_graph_passes(config.post_grad_custom_post_pass))}
+    if low_precision:
+        options["pre_grad_custom_pass"] = (_keep_fp32_pass(), *get_custom_graph_passes(config.pre_grad_custom_pass))
+    return options
 
 
 def _is_hf_model(model) -> bool:
@@ -341,7 +416,8 @@ class CompileTransform(Transform):
                     return inner(*args, **kwargs)
 
         kind = (_model_signature(self._model), ctx.dtype, self.attention)
-        compiled = torch.compile(_own_code(runner, kind), options=_compile_options())
+        compiled = torch.compile(_own_code(runner, kind),
+                                 options=_compile_options(ctx.dtype in (torch.bfloat16, torch.float16)))
         once = hasattr(torch._dynamo.config, _ONCE)
         if not once and not self._hf:
             return compiled
