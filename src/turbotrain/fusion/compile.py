@@ -239,12 +239,14 @@ def _keep_fp32_pass():
     """keep_fp32_in_graph as an Inductor pre-grad pass (on the Dynamo graph, before autograd)."""
     from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
+    from ..precision import keep_fp32
+
     class KeepFp32InGraph(CustomGraphPass):
         def __call__(self, graph) -> None:
             keep_fp32_in_graph(graph)
 
-        def uuid(self):
-            return get_hash_for_files((__file__,))
+        def uuid(self):  # the keep-list's sets decide what it casts: a change to them is a new pass
+            return get_hash_for_files((__file__, keep_fp32.__file__))
 
     return KeepFp32InGraph()
 

@@ -350,6 +350,11 @@ _CROSS_ENTROPY_ARGS = ("input", "target", "weight", "size_average", "ignore_inde
                        "label_smoothing")
 
 
+def _cross_entropy_call(args, kwargs) -> dict:
+    """An ``F.cross_entropy`` call's arguments by name."""
+    return dict(zip(_CROSS_ENTROPY_ARGS, args), **kwargs)
+
+
 #: Tensor methods that only change the dtype (or device) of the logits on their way to the loss.
 _CASTS = frozenset({Tensor.float, Tensor.double, Tensor.half, Tensor.bfloat16, Tensor.to, Tensor.type_as,
                     Tensor.type})
@@ -374,7 +379,7 @@ class OwnLossMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.cross_entropy:
-            bound = dict(zip(_CROSS_ENTROPY_ARGS, args), **kwargs)
+            bound = _cross_entropy_call(args, kwargs)
             logits = bound.get("input")
             if (isinstance(logits, Tensor) and logits.dim() >= 3 and not self.head.is_placeholder(logits)
                     and self.head.is_placeholder(logits.movedim(1, -1))):
@@ -426,7 +431,7 @@ class _SettledCrossEntropies(TorchFunctionMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if func is F.cross_entropy:
-            bound = dict(zip(_CROSS_ENTROPY_ARGS, args), **kwargs)
+            bound = _cross_entropy_call(args, kwargs)
             weight, logits = bound.get("weight"), bound.get("input")
             settled = float(bound.get("label_smoothing", 0.0)) != 0.0 or weight is not None
             if (settled and isinstance(out, Tensor) and out.grad_fn is not None and isinstance(logits, Tensor)
