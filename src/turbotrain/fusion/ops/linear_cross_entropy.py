@@ -86,14 +86,12 @@ def _ce_chunk(logits: Tensor, targets: Tensor, ignore_index: int, with_bias: boo
         grad = softmax - onehot.float()
     else:
         vocab = lf.shape[-1]
-        w = class_weight.float() if class_weight is not None else None
-        w_t = w[safe] if w is not None else 1.0
-        total_w = w.sum() if w is not None else float(vocab)
-        weighted_z = (lf * w).sum(-1) if w is not None else lf.sum(-1)
-        row_loss = (1.0 - smoothing) * w_t * (lse - target_logit) + smoothing / vocab * (total_w * lse - weighted_z)
-        grad = (1.0 - smoothing) * (w_t.unsqueeze(-1) if w is not None else 1.0) * (softmax - onehot.float())
-        if smoothing:
-            grad = grad + smoothing / vocab * (total_w * softmax - (w if w is not None else 1.0))
+        w = class_weight.float() if class_weight is not None else lf.new_ones(vocab)
+        w_t, total_w = w[safe], w.sum()
+        row_loss = ((1.0 - smoothing) * w_t * (lse - target_logit)
+                    + smoothing / vocab * (total_w * lse - (lf * w).sum(-1)))
+        grad = ((1.0 - smoothing) * w_t.unsqueeze(-1) * (softmax - onehot.float())
+                + smoothing / vocab * (total_w * softmax - w))
     loss_sum = torch.where(valid, row_loss, 0.0).sum()
     grad = grad * valid.unsqueeze(-1)
     grad_bias = grad.sum(0) if with_bias else grad.new_zeros(0)
@@ -115,8 +113,6 @@ def _chunk_loss_and_grad(logits, targets, ignore_index, with_bias, smoothing, cl
         from . import _triton_kernels
 
         return _triton_kernels.cross_entropy_chunk(logits, targets, ignore_index, with_bias, smoothing, class_weight)
-    if smoothing == 0.0 and class_weight is None:  # the kernel every plain cross-entropy has compiled already
-        return _ce_chunk(logits, targets, ignore_index, with_bias)
     return _ce_chunk(logits, targets, ignore_index, with_bias, smoothing, class_weight)
 
 
